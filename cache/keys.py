@@ -1,0 +1,89 @@
+"""Chunk keys: a cryptographic hash chained over token chunks, inside a namespace.
+
+Pure functions, no I/O; called in the vLLM scheduler for every lookup, so they must be
+cheap (one BLAKE2b over each chunk's token bytes). Keys are the same in every process
+and on every machine (unlike Python's ``hash()``), so an entry written by one engine is
+found by any other engine of the same model, layout and parallel rank.
+
+The namespace folds in everything that makes KV bytes incompatible: model identity and
+a digest of its config/revision, KV dtype, KV layout (block shape), tensor-parallel rank
+and size, chunk size and the entry format version. Two models never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+FORMAT_VERSION = 1
+DIGEST_BYTES = 16  # 128-bit keys: collisions are out of reach for any cache size
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What makes two caches' KV bytes interchangeable."""
+
+    model: str                 # model id or path as served
+    model_digest: str          # digest of the model's config (+ revision)
+    kv_dtype: str              # e.g. "bfloat16"
+    kv_layout: str             # per-block tensor shape as vLLM lays it out, e.g. "2x128x2x64"
+    tp_rank: int = 0
+    tp_size: int = 1
+    chunk_tokens: int = 256
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvcache-ns")
+        for k, v in sorted(asdict(self).items()):
+            h.update(f"{k}={v}\n".encode())
+        return h.digest()
+
+    @property
+    def id(self) -> str:
+        """Short printable namespace id; also the folder name on shared tiers."""
+        return self.digest.hex()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def chunk_keys(
+    namespace_digest: bytes,
+    tokens: Sequence[int],
+    chunk_tokens: int,
+    *,
+    tail_tokens: int = 0,
+    salt: str = "",
+) -> list[str]:
+    """Keys of ``tokens`` cut into chunks of ``chunk_tokens``.
+
+    Key *i* hashes key *i-1* and chunk *i*'s tokens, so equal keys mean equal prefixes.
+    Only whole chunks are keyed, plus (when ``tail_tokens`` > 0) one final partial chunk
+    of exactly ``tail_tokens`` tokens that follows the last whole chunk. ``salt``
+    separates otherwise equal prompts whose KV differs (e.g. a LoRA adapter).
+    """
+    n_full = len(tokens) // chunk_tokens
+    if tail_tokens and n_full * chunk_tokens + tail_tokens > len(tokens):
+        raise ValueError("tail_tokens reaches past the end of tokens")
+    prev = hashlib.blake2b(
+        salt.encode(), digest_size=DIGEST_BYTES, key=namespace_digest, person=b"kvcache-root"
+    ).digest()
+    keys = []
+    bounds = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(n_full)]
+    if tail_tokens:
+        bounds.append((n_full * chunk_tokens, n_full * chunk_tokens + tail_tokens))
+    for start, end in bounds:
+        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES, key=namespace_digest)
+        h.update(_token_bytes(tokens[start:end]))
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def parent_of(keys: Sequence[str], i: int) -> Optional[str]:
+    """The key before ``keys[i]`` in its chain, ``None`` for the first chunk."""
+    return keys[i - 1] if i > 0 else None

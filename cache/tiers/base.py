@@ -1,0 +1,70 @@
+"""The narrow protocol every tier implements.
+
+A tier stores opaque, already-encoded entries (``cache.codec``) under hex chunk keys,
+inside one namespace. It knows nothing of tensors, policies or other tiers: the
+``TieredStore`` decides what goes where.
+
+Where tier methods run and what may block:
+- ``contains`` is called on the vLLM scheduler's lookup path: it must be cheap (a stat,
+  a dict lookup) and may be stale; a tier that cannot answer quickly (a remote one)
+  answers from what it last saw and learns in the background.
+- ``read``, ``write``, ``delete``, ``reserve`` may block (disk, network): the store calls
+  them from its I/O threads, never from the scheduler loop.
+- Entries may be written or removed by other processes at any time: ``read`` of a key
+  that ``contains`` reported may raise ``KeyError``.
+- Capacity is a hard bound in bytes, kept by ``reserve``/``release`` *before* a write:
+  a tier never holds more than ``capacity`` bytes. ``capacity`` None means the
+  backend manages its own space (Curvine quotas and TTLs).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator, Optional, Sequence
+
+Buffer = object  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
+
+
+class Tier(ABC):
+    name: str = "tier"
+    capacity: Optional[int] = None
+
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is (probably) present. Cheap; may be stale."""
+
+    @abstractmethod
+    def read(self, key: str) -> Buffer:
+        """The whole encoded entry. Raises ``KeyError`` when absent."""
+
+    @abstractmethod
+    def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
+        """Publish ``parts`` (concatenated) as ``key``, atomically: readers see the whole
+        entry or nothing. ``nbytes`` must already be reserved; the reservation is kept
+        when the write publishes and released when it does not (key already present,
+        I/O error). Returns whether this call published the entry."""
+
+    @abstractmethod
+    def delete(self, key: str) -> int:
+        """Remove ``key``; returns the bytes freed (0 if it was already gone)."""
+
+    @abstractmethod
+    def reserve(self, nbytes: int) -> bool:
+        """Claim ``nbytes`` of capacity for a coming write; False when it does not fit."""
+
+    @abstractmethod
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that was not used."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes held, reservations included."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[tuple[str, int]]:
+        """Every entry present now, as ``(key, size)``; also fixes the usage count and
+        removes leftovers (unfinished temporary files). Called at start-up and when the
+        policy runs out of known victims (another process filled the tier)."""
+
+    def close(self) -> None:
+        """Release resources; default nothing."""

@@ -1,0 +1,232 @@
+"""A tier of one file per entry in a local folder: host DRAM (tmpfs) and local disk.
+
+The DRAM tier (L1) is this class on a shared-memory folder (``/dev/shm``), the disk tier
+(L2) on an NVMe folder. Both are shared by every process of an engine (scheduler and
+workers) and by every engine of the node, and the disk tier survives restarts.
+
+Layout: ``ROOT/.usage`` and ``ROOT/.lock`` account the bytes of the whole folder;
+entries live in ``ROOT/<namespace>/<key[:2]>/<key>``.
+
+Publishing follows diskcache's rule: the payload is written to a temporary file first,
+then linked into place atomically (``os.link`` fails if another process already
+published the key: write-once, first writer wins), then the temporary name is removed.
+A crash leaves at most a temporary file, which ``scan`` removes, and a reservation that
+``scan`` recounts. Damaged files are caught by the entry checksum on read.
+
+Capacity is shared by every process using the folder: ``reserve`` and ``delete`` update
+``ROOT/.usage`` under an exclusive ``flock`` (microseconds). Methods that touch the disk
+block; the store calls them from I/O threads. ``contains`` is one ``stat``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import socket
+import struct
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from cache.tiers.base import Buffer, Tier
+
+_USAGE = struct.Struct("<q")
+_TMP_MARK = ".tmp-"
+_STALE_TMP_SECONDS = 600  # no entry write takes this long; older temp files are debris
+
+
+class FileTier(Tier):
+    def __init__(
+        self,
+        root: str,
+        namespace: str,
+        capacity: int,
+        name: str = "disk",
+        use_mmap: bool = False,
+    ) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.root = root
+        self.folder = os.path.join(root, namespace)
+        self.use_mmap = use_mmap
+        os.makedirs(self.folder, exist_ok=True)
+        self._host = socket.gethostname()
+        self._lock_path = os.path.join(root, ".lock")
+        self._usage_path = os.path.join(root, ".usage")
+        for p in (self._lock_path, self._usage_path):
+            if not os.path.exists(p):
+                with open(p, "ab"):
+                    pass
+
+    # -- paths ---------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return os.path.join(self.folder, key[:2], key)
+
+    # -- shared accounting ---------------------------------------------------
+    @contextmanager
+    def _locked_usage(self):
+        """Yields a file object on ROOT/.usage with the folder lock held."""
+        with open(self._lock_path, "rb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(self._usage_path, "r+b") as usage:
+                    yield usage
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @staticmethod
+    def _get(usage) -> int:
+        usage.seek(0)
+        raw = usage.read(_USAGE.size)
+        return _USAGE.unpack(raw)[0] if len(raw) == _USAGE.size else 0
+
+    @staticmethod
+    def _put(usage, value: int) -> None:
+        usage.seek(0)
+        usage.write(_USAGE.pack(max(0, value)))
+        usage.flush()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._locked_usage() as usage:
+            used = self._get(usage)
+            if used + nbytes > self.capacity:
+                return False
+            self._put(usage, used + nbytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._locked_usage() as usage:
+            self._put(usage, self._get(usage) - nbytes)
+
+    def used_bytes(self) -> int:
+        with self._locked_usage() as usage:
+            return self._get(usage)
+
+    # -- entries -------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def read(self, key: str) -> Buffer:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        try:
+            size = os.fstat(fd).st_size
+            if self.use_mmap and size:
+                # Private, prefaulted mapping: zero-copy from tmpfs pages; the file may
+                # be unlinked meanwhile and the mapping stays valid.
+                return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            buf = np.empty(size, dtype=np.uint8)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+            return buf[:got]
+        finally:
+            os.close(fd)
+
+    def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
+        final = self.path(key)
+        tmp = f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
+        published = False
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                views = [memoryview(p).cast("B") for p in parts]
+                while views:
+                    n = os.writev(fd, views)
+                    while views and n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    if views and n:
+                        views[0] = views[0][n:]
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)
+                published = True
+            except FileExistsError:
+                pass
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+                raise
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            if not published:
+                self.release(nbytes)
+        return published
+
+    def delete(self, key: str) -> int:
+        path = self.path(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        self.release(size)
+        return size
+
+    def scan(self) -> Iterator[tuple[str, int]]:
+        """List entries, drop debris, and recount the whole folder's usage under the lock."""
+        entries: list[tuple[str, int]] = []
+        with self._locked_usage() as usage:
+            total = 0
+            for ns in os.scandir(self.root):
+                if not ns.is_dir():
+                    continue
+                for shard in os.scandir(ns.path):
+                    if not shard.is_dir():
+                        continue
+                    for f in os.scandir(shard.path):
+                        size = self._account(f, ns.path == self.folder, entries)
+                        total += size
+            self._put(usage, total)
+        return iter(entries)
+
+    def _account(self, f: os.DirEntry, ours: bool, entries: list) -> int:
+        """Bytes that file ``f`` holds against the capacity (0 if it was removed)."""
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            return 0
+        if _TMP_MARK not in f.name:
+            if ours:
+                entries.append((f.name, st.st_size))
+            return st.st_size
+        # temp file: NAME.tmp-HOST-PID-RESERVED-RAND
+        try:
+            host, pid, reserved = f.name.split(_TMP_MARK, 1)[1].rsplit("-", 3)[:3]
+            pid, reserved = int(pid), int(reserved)
+        except ValueError:
+            host, pid, reserved = "", -1, st.st_size
+        dead = host == self._host and pid > 0 and not _alive(pid)
+        if dead or time.time() - st.st_mtime > _STALE_TMP_SECONDS:
+            try:
+                os.unlink(f.path)
+            except FileNotFoundError:
+                pass
+            return 0
+        return reserved
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

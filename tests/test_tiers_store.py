@@ -1,0 +1,165 @@
+"""Tier contract (one mixin, every tier) and TieredStore behaviour on real files."""
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from cache.codec import HEADER_SIZE, encode_header
+from cache.keys import Namespace, chunk_keys
+from cache.policy import LRUPolicy
+from cache.store import TieredStore
+from cache.tiers.files import FileTier
+from cache.tiers.memory import MemoryTier
+
+NS = Namespace("m", "d", "uint8", "x").digest
+KEY = "ab" * 16
+
+
+class TierContract:
+    """Every tier must pass these; subclasses provide ``make(capacity)``."""
+
+    def make(self, tmp_path, capacity):
+        raise NotImplementedError
+
+    def test_write_read_delete(self, tmp_path):
+        t = self.make(tmp_path, 1000)
+        assert not t.contains(KEY)
+        with pytest.raises(KeyError):
+            t.read(KEY)
+        assert t.reserve(10)
+        assert t.write(KEY, [b"hello", b"world"], 10)
+        assert t.contains(KEY) and bytes(t.read(KEY)) == b"helloworld"
+        assert t.used_bytes() == 10
+        assert t.delete(KEY) == 10 and t.used_bytes() == 0 and not t.contains(KEY)
+        assert t.delete(KEY) == 0
+
+    def test_capacity_is_a_hard_bound(self, tmp_path):
+        t = self.make(tmp_path, 25)
+        assert t.reserve(10) and t.reserve(10)
+        assert not t.reserve(10)
+        t.release(10)
+        assert t.reserve(10)
+
+    def test_second_writer_of_a_key_is_harmless(self, tmp_path):
+        t = self.make(tmp_path, 100)
+        assert t.reserve(5) and t.write(KEY, [b"aaaaa"], 5)
+        assert t.reserve(5) and not t.write(KEY, [b"aaaaa"], 5)
+        assert t.used_bytes() == 5
+        assert dict(t.scan()) == {KEY: 5}
+
+
+class TestMemoryTier(TierContract):
+    def make(self, tmp_path, capacity):
+        return MemoryTier(capacity)
+
+
+class TestFileTier(TierContract):
+    def make(self, tmp_path, capacity):
+        return FileTier(str(tmp_path / "disk"), "ns", capacity)
+
+    def test_scan_removes_debris_and_recounts(self, tmp_path):
+        t = self.make(tmp_path, 100)
+        assert t.reserve(5) and t.write(KEY, [b"aaaaa"], 5)
+        t.reserve(50)  # a writer that crashed after reserving
+        debris = t.path(KEY) + ".tmp-otherhost-1-50-dead"
+        open(debris, "wb").write(b"x")
+        os.utime(debris, (0, 0))
+        assert dict(t.scan()) == {KEY: 5}
+        assert t.used_bytes() == 5 and not os.path.exists(debris)
+
+
+class TestMmapFileTier(TestFileTier):
+    def make(self, tmp_path, capacity):
+        return FileTier(str(tmp_path / "shm"), "ns", capacity, name="dram", use_mmap=True)
+
+
+def payload(i, n=1000):
+    return np.full(n, i % 251, dtype=np.uint8)
+
+
+def store(tmp_path, dram=4 * 1300, disk=10 * 1300, **kw):
+    tiers = [FileTier(str(tmp_path / "shm"), "ns", dram, "dram", use_mmap=True)] if dram else []
+    tiers.append(FileTier(str(tmp_path / "disk"), "ns", disk, "disk"))
+    return TieredStore(tiers, NS, [LRUPolicy() for _ in tiers], **kw)
+
+
+def put_chain(s, keys):
+    for i, k in enumerate(keys):
+        assert s.put(k, keys[i - 1] if i else None, "uint8", (1000,), payload(i))
+    assert s.flush(10)
+
+
+def test_longest_prefix_promotion_demotion_and_bounds(tmp_path):
+    s = store(tmp_path)
+    keys = chunk_keys(NS, list(range(12 * 16)), 16)
+    put_chain(s, keys[:8])
+    # DRAM holds 4 entries; the 4 oldest went down to disk, nothing was lost
+    assert s.lookup(keys) == [1, 1, 1, 1, 0, 0, 0, 0]
+    s.check()
+    e = s.get(keys[0])
+    assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
+    s.flush(10)
+    assert s.lookup(keys[:1]) == [0]  # promoted
+    s.check()
+    assert s.tiers[0].used_bytes() <= 4 * 1300
+    s.close()
+
+
+def test_restart_rebuilds_from_disk(tmp_path):
+    s = store(tmp_path, dram=0)
+    keys = chunk_keys(NS, list(range(3 * 16)), 16)
+    put_chain(s, keys)
+    s.close()
+    s2 = store(tmp_path, dram=0)
+    assert s2.lookup(keys) == [0, 0, 0]
+    assert all(k in s2.policies[0] for k in keys)
+    s2.check()
+
+
+def test_damaged_entry_is_dropped_not_served(tmp_path):
+    s = store(tmp_path)
+    keys = chunk_keys(NS, list(range(16)), 16)
+    put_chain(s, keys)
+    path = s.tiers[0].path(keys[0])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff")
+    assert s.get(keys[0]) is None
+    assert s.stats.tiers["dram"].corrupt == 1 and not s.tiers[0].contains(keys[0])
+
+
+def test_foreign_entry_is_not_served(tmp_path):
+    s = store(tmp_path)
+    other = Namespace("other", "d", "uint8", "x").digest
+    data = payload(1)
+    raw = encode_header(other, KEY, "uint8", (1000,), data) + data.tobytes()
+    s.tiers[1].reserve(len(raw))
+    s.tiers[1].write(KEY, [raw], len(raw))
+    assert s.lookup([KEY]) == [1] and s.get(KEY) is None
+
+
+def _writer(root, start, n):
+    tiers = [FileTier(root, "ns", 20 * 1300, "disk")]
+    s = TieredStore(tiers, NS, [LRUPolicy()])
+    keys = chunk_keys(NS, list(range(start, start + n * 16)), 16)
+    for i, k in enumerate(keys):
+        s.put(k, None, "uint8", (1000,), payload(i))
+    s.flush(60)
+    s.close()
+
+
+def test_two_processes_share_one_folder_within_bound(tmp_path):
+    root = str(tmp_path / "disk")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(root, base, 30)) for base in (0, 100000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    t = FileTier(root, "ns", 20 * 1300)
+    entries = dict(t.scan())
+    assert 0 < sum(entries.values()) <= 20 * 1300
+    assert t.used_bytes() == sum(entries.values())
