@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 FORMAT_VERSION = 1
@@ -40,6 +40,13 @@ class Namespace:
         for k, v in sorted(asdict(self).items()):
             h.update(f"{k}={v}\n".encode())
         return h.digest()
+
+    @property
+    def chain_digest(self) -> bytes:
+        """Seed of the chunk-key chain: the namespace without the rank, so every rank of
+        an engine computes the same keys (each stores its own shard under its own
+        namespace folder)."""
+        return replace(self, tp_rank=0).digest
 
     @property
     def id(self) -> str:

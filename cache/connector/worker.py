@@ -1,0 +1,125 @@
+"""Worker side: copies KV between vLLM's paged buffers and the tiers, as the scheduler says.
+
+Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker).
+- ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
+  (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
+  asynchronous (disk, remote) go to the store's read threads and are reported through
+  ``get_finished`` when their blocks are filled.
+- ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
+  tensors (the only synchronous part of a save) and handed to the store's writer
+  thread; encoding, checksums and file writes never delay the next step.
+- A chunk that cannot be loaded (evicted meanwhile, damaged, foreign) fails its blocks
+  and every later block of the request; vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from cache.config import CacheConfig
+from cache.connector.metadata import LoadRequest, TieredKVMetadata
+from cache.keys import Namespace
+from cache.kv_copy import BlockCopier, KVLayout
+from cache.policy import make_policy
+from cache.store import TieredStore
+from cache.tiers import make_tiers
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.num_blocks = num_blocks
+        tiers = make_tiers(config, namespace.id)
+        self.store = TieredStore(tiers, namespace.digest, [make_policy(config.policy) for _ in tiers],
+                                 signing_key=config.signing_key.encode(), io_threads=config.io_threads)
+        self.copier: Optional[BlockCopier] = None
+        self._lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._inflight: dict[str, object] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVLayout.of(kv_caches, self.num_blocks)
+        self.copier = BlockCopier(kv_caches, layout)
+        log.info("kvcache: %d KV layers, block dim %d, %s, %d bytes per block; tiers: %s",
+                 len(layout.layer_names), layout.block_dim, layout.dtype_name,
+                 layout.bytes_per_block(),
+                 ", ".join(f"{t.name}={t.capacity:,}B" for t in self.store.tiers) or "none")
+
+    # -- loads -----------------------------------------------------------------
+    def start_load_kv(self, meta: TieredKVMetadata) -> None:
+        for load in meta.loads:
+            if load.asynchronous:
+                t = threading.Thread(target=self._load_async, args=(load,), daemon=True,
+                                     name=f"kvcache-load-{load.req_id}")
+                self._inflight[load.req_id] = t
+                t.start()
+            else:
+                failed = self._load(load)
+                if failed:
+                    with self._lock:
+                        self._failed_blocks |= failed
+
+    def _load_async(self, load: LoadRequest) -> None:
+        failed = set()
+        try:
+            failed = self._load(load)
+        except Exception:
+            log.exception("kvcache: loading request %s failed", load.req_id)
+            failed = {b for c in load.chunks for b in c.block_ids}
+        with self._lock:
+            self._failed_blocks |= failed
+            self._finished_loads.add(load.req_id)
+
+    def _load(self, load: LoadRequest) -> set[int]:
+        """Fill the request's blocks chunk by chunk; returns the blocks that failed."""
+        assert self.copier is not None
+        futures = [self.store.get_async(c.key) for c in load.chunks] if load.asynchronous else None
+        for i, chunk in enumerate(load.chunks):
+            entry = futures[i].result() if futures else self.store.get(chunk.key)
+            ok = entry is not None and entry.info.dtype == self.copier.layout.dtype_name
+            if ok:
+                try:
+                    src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
+                    src = src.view(entry.info.shape)
+                    self.copier.scatter(chunk.block_ids, src, chunk.first)
+                except (ValueError, RuntimeError) as e:
+                    log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
+                    ok = False
+            if not ok:
+                return {b for c in load.chunks[i:] for b in c.block_ids}
+        return set()
+
+    def get_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        for req_id in done:
+            self._inflight.pop(req_id, None)
+        return done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- saves -----------------------------------------------------------------
+    def wait_for_save(self, meta: TieredKVMetadata) -> None:
+        if not meta.saves or self.copier is None:
+            return
+        layout = self.copier.layout
+        for chunk in meta.saves:
+            host = self.copier.gather(chunk.block_ids)
+            self.store.put(chunk.key, chunk.parent, layout.dtype_name, tuple(host.shape),
+                           host.view(torch.uint8).reshape(-1).numpy())
+
+    def shutdown(self) -> None:
+        for t in list(self._inflight.values()):
+            t.join(timeout=5)
+        self.store.close(timeout=20)

@@ -1,0 +1,126 @@
+"""``TieredKVConnector``: vLLM's KV connector API in front of the tiered store.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"TieredKVConnector",
+                           "kv_connector_module_path":"cache.vllm_connector",
+                           "kv_role":"kv_both"}'
+
+vLLM builds one instance with the scheduler role (engine-core process) and one per
+worker. This file is thin: each call goes to ``SchedulerSide`` or ``WorkerSide``.
+Settings come from ``kv_connector_extra_config`` (``kvcache_cpu_size`` ...) or the
+``KVCACHE_*`` environment (``cache.config.build_cache_config``); a bad setting stops
+start-up with one ``ConfigError`` message.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from cache.config import build_cache_config, check_block_size
+from cache.connector.metadata import TieredKVMetadata
+from cache.connector.namespace import engine_namespace
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("cache.vllm_connector")
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        config = build_cache_config(extra=transfer.kv_connector_extra_config or {})
+        block_size = vllm_config.cache_config.block_size
+        check_block_size(config, block_size)
+        parallel = vllm_config.parallel_config
+        world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.scheduler_side = self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from cache.connector.scheduler import SchedulerSide
+
+            # A cache never fails a request: a chunk that cannot be loaded is recomputed.
+            if transfer.kv_load_failure_policy != "recompute":
+                transfer.kv_load_failure_policy = "recompute"
+            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
+                          for r in range(world)]
+            self.scheduler_side = SchedulerSide(config, namespaces, block_size,
+                                                lambda: self._kv_cache_manager)
+            log.info("kvcache: chunk %d tokens (%d-token blocks); DRAM %s (%s bytes), "
+                     "disk %s (%s bytes); policy %s", config.chunk_tokens, block_size,
+                     config.cpu_path, f"{config.cpu_bytes:,}", config.disk_path,
+                     f"{config.disk_bytes:,}", config.policy)
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            from cache.connector.worker import WorkerSide
+
+            rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
+            ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
+            self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best-effort cache: a dropped save is a future miss
+
+    # -- worker role -------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        self.worker_side.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv (sync) or before the request runs (async)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata, **kwargs: Any) -> None:
+        return  # saves are gathered once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, TieredKVMetadata)
+            self.worker_side.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        done = self.worker_side.get_finished()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- scheduler role ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        loaded = self.scheduler_side.request_finished(request)
+        # Shown in the request's output (kv_transfer_params): tokens loaded per tier.
+        return False, ({"kvcache_loaded_tokens": loaded} if loaded else None)
