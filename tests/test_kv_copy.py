@@ -1,0 +1,39 @@
+"""Block copies between a paged KV cache and entries, for both block-dimension layouts."""
+
+import pytest
+import torch
+
+from cache.kv_copy import BlockCopier, KVLayout
+
+
+@pytest.mark.parametrize("shape", [(10, 2, 4, 8), (2, 10, 4, 8), (10, 4, 16)])
+def test_gather_scatter_roundtrip(shape):
+    num_blocks = 10
+    caches = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(3)}
+    layout = KVLayout.of(caches, num_blocks)
+    assert layout.block_dim == (1 if shape[0] == 2 else 0)
+    copier = BlockCopier(caches, layout)
+    entry = copier.gather([7, 2, 5])
+    assert tuple(entry.shape) == layout.entry_shape(3)
+    bd = layout.block_dim
+    for i, name in enumerate(layout.layer_names):
+        assert torch.equal(entry[i].select(bd, 1), caches[name].select(bd, 2))
+
+    # scatter into other blocks, skipping the entry's first block
+    copier.scatter([0, 9], entry, first=1)
+    for name in layout.layer_names:
+        assert torch.equal(caches[name].select(bd, 0), caches[name].select(bd, 2))
+        assert torch.equal(caches[name].select(bd, 9), caches[name].select(bd, 5))
+    assert layout.bytes_per_block() * 3 == entry.numel() * entry.element_size()
+
+
+def test_wrong_entry_shape_is_refused():
+    caches = {"l0": torch.zeros(4, 2, 3)}
+    copier = BlockCopier(caches, KVLayout.of(caches, 4))
+    with pytest.raises(ValueError):
+        copier.scatter([0, 1], torch.zeros(1, 1, 2, 3))
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="block dimension"):
+        KVLayout.of({"l0": torch.zeros(3, 3, 3)}, 7)
