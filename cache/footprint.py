@@ -1,0 +1,233 @@
+"""KV footprint of a model: bytes of KV per token and per request, from its ``config.json``.
+
+Pure arithmetic on a Hugging Face config (no torch, no vLLM); runs wherever it is
+called: at server start-up (``serving.sizing`` turns tier sizes into token counts
+with it) and on the command line::
+
+    python -m cache.footprint MODEL_DIR_OR_CONFIG_JSON --context 131072 \
+        [--cpu-size 64GiB] [--disk-size 2TB] [--kv-dtype fp8] [--json]
+
+Layouts:
+- multi-head / grouped-query / multi-query attention: K and V per layer,
+  ``layers x kv_heads x head_dim x 2 x dtype bytes`` per token;
+- DeepSeek multi-head latent attention (MLA): one compressed latent per layer,
+  ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes`` per token.
+
+The dtype is the KV cache dtype: the model's own (``torch_dtype``) unless a
+``--kv-cache-dtype`` such as ``fp8`` overrides it. A float32 checkpoint counts as 2
+bytes, because vLLM's ``--dtype auto`` serves it in 16 bits.
+
+Llama 3 70B (80 layers, 8 KV heads, head dim 128, bf16): 327,680 bytes per token,
+42,949,672,960 bytes (40 GiB) for one 131,072-token request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+_DTYPE_BYTES = {
+    "float32": 2,  # served in 16 bits by vLLM's --dtype auto
+    "float": 2,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "fp8_ds_mla": 1,
+    "int8": 1,
+}
+
+
+class FootprintError(ValueError):
+    """The config does not say enough to size its KV cache."""
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    model_type: str
+    attention: str      # "mha", "gqa", "mqa" or "mla"
+    layers: int
+    kv_heads: int       # 1 for MLA (one latent per layer)
+    head_dim: int       # per KV head; for MLA kv_lora_rank + qk_rope_head_dim
+    tensors: int        # 2 (K and V) or 1 (MLA latent)
+    dtype: str
+    dtype_bytes: int
+    max_context: Optional[int] = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * self.tensors * self.dtype_bytes
+
+    def bytes_per_request(self, tokens: int) -> int:
+        return self.bytes_per_token * tokens
+
+    def tokens_in(self, nbytes: int) -> int:
+        """Tokens of KV that ``nbytes`` hold."""
+        return nbytes // self.bytes_per_token
+
+    def requests_in(self, nbytes: int, tokens: int) -> int:
+        """Whole requests of ``tokens`` tokens that ``nbytes`` hold."""
+        return nbytes // self.bytes_per_request(tokens) if tokens > 0 else 0
+
+    def describe(self) -> str:
+        if self.attention == "mla":
+            shape = f"{self.layers} layers x {self.head_dim}-wide MLA latent"
+        else:
+            shape = (f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} dims"
+                     f" x 2 (K,V)")
+        return (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
+                f"bytes ({self.dtype}) = {self.bytes_per_token:,} bytes "
+                f"({human_bytes(self.bytes_per_token)}) per token")
+
+
+def _first(cfg: Mapping[str, Any], *names: str) -> Any:
+    for name in names:
+        value = cfg.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config: multimodal configs nest it (``text_config``)."""
+    for key in ("text_config", "language_config", "llm_config"):
+        inner = cfg.get(key)
+        if isinstance(inner, Mapping) and _first(inner, "num_hidden_layers", "n_layer", "num_layers"):
+            merged = dict(inner)
+            for k in ("torch_dtype", "dtype"):  # the outer config often carries the dtype
+                if merged.get(k) is None and cfg.get(k) is not None:
+                    merged[k] = cfg[k]
+            return merged
+    return cfg
+
+
+def dtype_bytes(dtype: str) -> int:
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in _DTYPE_BYTES:
+        raise FootprintError(f"unknown KV dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[key]
+
+
+def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = None) -> KVFootprint:
+    """The KV footprint of the model a Hugging Face ``config.json`` describes.
+
+    ``kv_dtype`` is vLLM's ``--kv-cache-dtype``; None or ``"auto"`` means the model's dtype.
+    """
+    cfg = _text_config(config)
+    model_type = str(_first(cfg, "model_type") or config.get("model_type") or "unknown")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    if not layers:
+        raise FootprintError("config has no layer count (num_hidden_layers / n_layer / num_layers)")
+    model_dtype = str(_first(cfg, "torch_dtype", "dtype") or "bfloat16").replace("torch.", "")
+    dtype = model_dtype if kv_dtype in (None, "", "auto") else kv_dtype
+    nbytes = dtype_bytes(dtype)
+    max_context = _first(cfg, "max_position_embeddings", "n_positions", "seq_length")
+
+    if _first(cfg, "kv_lora_rank") is not None:  # DeepSeek V2/V3 MLA: one latent per layer
+        rope = _first(cfg, "qk_rope_head_dim")
+        if rope is None:
+            raise FootprintError("MLA config has kv_lora_rank but no qk_rope_head_dim")
+        return KVFootprint(model_type, "mla", int(layers), 1, int(cfg["kv_lora_rank"]) + int(rope),
+                           1, dtype, nbytes, max_context)
+
+    heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
+    if not heads:
+        raise FootprintError("config has no attention head count (num_attention_heads / n_head)")
+    if cfg.get("multi_query") is True:  # Falcon-style multi-query
+        kv_heads = 1
+    else:
+        kv_heads = _first(cfg, "num_key_value_heads", "multi_query_group_num", "n_head_kv",
+                          "num_kv_heads") or heads
+    head_dim = _first(cfg, "head_dim", "kv_channels")
+    if head_dim is None:
+        hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+        if not hidden:
+            raise FootprintError("config has neither head_dim nor hidden_size")
+        head_dim = int(hidden) // int(heads)
+    kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
+    return KVFootprint(model_type, kind, int(layers), int(kv_heads), int(head_dim), 2, dtype,
+                       nbytes, max_context)
+
+
+def load_hf_config(path: str | os.PathLike) -> dict:
+    """Read ``config.json`` from a model folder or from the file itself."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FootprintError(f"no config.json at {path!r}") from None
+    except json.JSONDecodeError as e:
+        raise FootprintError(f"{p} is not valid JSON: {e}") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
+    """Per-token and per-request bytes, and what each tier (name -> bytes) holds."""
+    return {
+        **asdict(fp),
+        "bytes_per_token": fp.bytes_per_token,
+        "context_tokens": context,
+        "bytes_per_request": fp.bytes_per_request(context),
+        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n),
+                         "requests": fp.requests_in(n, context)}
+                  for name, n in tiers.items()},
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from cache.config import ConfigError, parse_size
+
+    p = argparse.ArgumentParser(prog="python -m cache.footprint",
+                                description="KV cache bytes per token and per request of a model.")
+    p.add_argument("model", help="model folder or config.json file")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per request (default: the model's max_position_embeddings)")
+    p.add_argument("--kv-dtype", default=None, help="vLLM --kv-cache-dtype (auto, fp8, ...)")
+    for tier in ("cpu", "disk", "remote"):
+        p.add_argument(f"--{tier}-size", default=None, help=f"{tier} tier size, e.g. 64GiB, 2TB")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    try:
+        fp = footprint_from_config(load_hf_config(args.model), args.kv_dtype)
+        tiers = {name: parse_size(text, None, f"--{name}-size")
+                 for name, text in (("cpu", args.cpu_size), ("disk", args.disk_size),
+                                    ("remote", args.remote_size)) if text}
+    except (FootprintError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    context = args.context or fp.max_context or 0
+    if context <= 0:
+        print("error: give --context (the config has no max_position_embeddings)", file=sys.stderr)
+        return 2
+    out = report(fp, context, tiers)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(fp.describe())
+    print(f"one {context:,}-token request: {out['bytes_per_request']:,} bytes "
+          f"({human_bytes(out['bytes_per_request'])})")
+    for name, t in out["tiers"].items():
+        print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = "
+              f"{t['requests']:,} such requests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``python -m serving``: the SageMaker server (what ``entrypoint.sh serve`` runs).
+
+Runs in the container's main process (PID 1 after ``exec``). Order of events:
+1. build the configuration from the environment and the machine, log it and the tier
+   plan as one block (a bad setting: message on stderr, exit 2);
+2. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
+   background; ``/ping`` answers 503 until the engine is ready;
+3. on SIGTERM: ``/ping`` and new invocations answer 503, requests in flight finish
+   (up to ``DRAIN_SECONDS``), then vLLM shuts down, its workers flushing the cache's
+   write-behind, and the process exits 0, inside SageMaker's 30 s.
+If the engine cannot start, the process exits 1.
+
+    python -m serving                 # serve
+    python -m serving --print-config  # show the configuration and tier plan, then exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import uvicorn
+
+from cache.config import ConfigError
+from serving.app import Gate, create_app
+from serving.config import build_serving_config
+from serving.engine import Engine, State
+
+log = logging.getLogger("serving")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SageMaker's shutdown: the first SIGTERM/SIGINT drains, a second one
+    (or the drain deadline) stops at once. Also stops when the engine failed to start."""
+
+    def __init__(self, config: uvicorn.Config, gate: Gate, engine: Engine, drain_s: float) -> None:
+        super().__init__(config)
+        self.gate, self.engine, self.drain_s = gate, engine, drain_s
+        self.deadline = 0.0
+
+    def handle_exit(self, sig, frame) -> None:  # runs in the signal handler: flags only
+        if self.gate.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.gate.draining = True
+        self.deadline = time.monotonic() + self.drain_s
+        log.info("signal %s: draining %d request(s) in flight (up to %.0f s)",
+                 sig, self.gate.in_flight, self.drain_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.should_exit:
+            if self.gate.draining and (self.gate.in_flight == 0 or time.monotonic() >= self.deadline):
+                if self.gate.in_flight:
+                    log.warning("drain deadline passed with %d request(s) in flight", self.gate.in_flight)
+                self.should_exit = True
+            elif self.engine.state is State.FAILED:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
+    p.add_argument("--print-config", action="store_true",
+                   help="print the configuration and tier plan, then exit")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_serving_config()
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(config.http.log_level)
+    if args.print_config:
+        print(config.describe())
+        return 0
+    log.info("configuration:\n%s", config.describe())
+
+    app = create_app(config)
+    engine: Engine = app.state.engine
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.http.host, port=config.http.port,
+                       log_level=config.http.log_level.lower(), access_log=False,
+                       timeout_graceful_shutdown=3, lifespan="on"),
+        app.state.gate, engine, config.http.drain_timeout_s)
+    server.run()
+    if engine.state is State.FAILED:
+        print(f"engine failed: {engine.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown: the engine processes are already shut
+    down, and tearing down vLLM's CPU/torch extension modules can stall for ~10 s,
+    which SageMaker's 30 s SIGTERM budget cannot afford."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

