@@ -88,15 +88,19 @@ def _setting(env: Mapping[str, str], extra: Mapping[str, object], name: str):
     return value if value not in (None, "") else None
 
 
-def _memory_limit() -> int:
-    """Bytes of RAM this process may use: the machine's, or its cgroup limit if lower."""
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit(limit_files: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int:
+    """Bytes of RAM this container may use: physical RAM, or the cgroup limit if lower."""
     limit = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in limit_files:
         try:
-            raw = open(path).read().strip()
+            with open(path) as f:
+                raw = f.read().strip()
         except OSError:
             continue
-        if raw.isdigit():
+        if raw.isdigit():  # "max" (cgroup v2) means no limit
             limit = min(limit, int(raw))
     return limit
 
@@ -120,21 +124,23 @@ def _check_writable(path: str, name: str) -> None:
         raise ConfigError(f"{name}={path!r} is not a writable folder: {e.strerror}") from None
 
 
-def _dir_usage(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
+def _tier_usage(path: str) -> int:
+    """Bytes a tier folder already holds, from its own accounting (``.usage``, kept by
+    ``cache.tiers.files``): instant, where walking a large disk tier would take minutes."""
+    try:
+        with open(os.path.join(path, ".usage"), "rb") as f:
+            raw = f.read(8)
+    except OSError:
+        return 0
+    return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
 
 
 def _tier_bytes(size_text: str, name: str, path: str, ram_cap: Optional[int]) -> int:
     """Resolve a tier size against the free space of its filesystem (and RAM for L1)."""
+    if parse_size(size_text, 100, name) == 0:
+        return 0  # tier disabled: its folder is never touched
     _check_writable(path, name.replace("_SIZE", "_PATH"))
-    fs_free = shutil.disk_usage(_existing_dir(path)).free + _dir_usage(path)
+    fs_free = shutil.disk_usage(_existing_dir(path)).free + _tier_usage(path)
     whole = fs_free if ram_cap is None else min(fs_free, ram_cap)
     nbytes = parse_size(size_text, whole, name)
     if ram_cap is not None and nbytes > ram_cap:
@@ -168,7 +174,7 @@ def build_cache_config(
 
     cpu_path = get("cpu_path") or DEFAULT_CPU_PATH
     disk_path = get("disk_path") or DEFAULT_DISK_PATH
-    cpu_bytes = _tier_bytes(get("cpu_size") or "10%", "KVCACHE_CPU_SIZE", cpu_path, _memory_limit())
+    cpu_bytes = _tier_bytes(get("cpu_size") or "10%", "KVCACHE_CPU_SIZE", cpu_path, memory_limit())
     disk_bytes = _tier_bytes(get("disk_size") or "50%", "KVCACHE_DISK_SIZE", disk_path, None)
 
     timeout_text = get("remote_timeout_ms") or "2000"

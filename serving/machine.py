@@ -14,12 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import psutil
+
+from cache.config import memory_limit
 
 log = logging.getLogger(__name__)
-
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
 
 @dataclass(frozen=True)
 class Gpu:
@@ -36,20 +34,6 @@ class Machine:
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
-
-
-def memory_limit(limit_files: tuple[str, ...] = _CGROUP_LIMITS) -> int:
-    """Bytes of RAM this container may use: physical RAM, or the cgroup limit if lower."""
-    limit = psutil.virtual_memory().total
-    for path in limit_files:
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit():  # "max" (v2) means no limit
-            limit = min(limit, int(raw))
-    return limit
 
 
 def _cpus() -> int:

@@ -61,3 +61,20 @@ def test_chunk_must_be_whole_blocks(tmp_path):
     with pytest.raises(ConfigError, match="not a multiple of vLLM's block size \\(128\\); use e.g. 256"):
         check_block_size(cfg, 128)
     check_block_size(build_cache_config(env(tmp_path)), 128)
+
+
+def test_disabled_tier_never_touches_its_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = build_cache_config(env(tmp_path, KVCACHE_CPU_SIZE="0", KVCACHE_CPU_PATH=str(blocker / "shm")))
+    assert cfg.cpu_bytes == 0
+
+
+def test_memory_limit_reads_cgroup_files(tmp_path):
+    from cache.config import memory_limit
+
+    limit = tmp_path / "memory.max"
+    limit.write_text("1048576\n")
+    assert memory_limit((str(limit),)) == 1048576
+    limit.write_text("max\n")
+    assert memory_limit((str(limit),)) > 1048576
