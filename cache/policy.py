@@ -93,14 +93,18 @@ class LRUPolicy(EvictionPolicy):
         return len(self._order)
 
 
-from .policies_ref import ARCPolicy, S3FIFOPolicy  # noqa: E402  (they subclass the ABC above)
+# The other policies subclass the ABC above, so they are imported after it.
+from .policies_ref import ARCPolicy, S3FIFOPolicy  # noqa: E402
+from .policy_prefix import PrefixAdaptivePolicy  # noqa: E402
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
+    "prefix-adaptive": PrefixAdaptivePolicy,
 }
-DEFAULT_POLICY = "lru"
+# Recommended: see ``cache/policy_prefix.py`` and ``bench/results/policy.md``.
+DEFAULT_POLICY = "prefix-adaptive"
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -2,17 +2,30 @@
 
 Engine-agnostic (no vLLM, no torch). One store per process that opens the cache:
 - in the vLLM scheduler, a *lookup-only* store answers ``lookup`` (cheap ``contains``
-  checks, no I/O threads, no policy);
+  checks, no I/O threads, no policy) and ``probe`` (starts background existence checks
+  on the shared tier);
 - in each vLLM worker, a *writer* store runs ``get``/``get_async`` and ``put``; it owns
-  the I/O threads and one eviction policy per tier.
+  the I/O threads and one eviction policy per local tier.
 
-All tiers hold the same encoded bytes for a key (``cache.codec``), so promotion and
-demotion copy bytes without re-encoding. Every entry read is verified before it is
-returned; a damaged or foreign entry is deleted and reported as a miss.
+Local tiers (DRAM, disk) form a hierarchy: writes go to the top, evictions demote down,
+hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
+one, last) is not part of that hierarchy: its space is the backend's, nothing is evicted
+from it, and chunks are *published* to it by ``SharedAdmission``: by default a chunk
+used a second time (hit in a local tier, computed again, or evicted after a hit), or one
+marked shared (``put(..., shared=True)``). Publishing runs on its own thread, in
+batches, so the network never delays local writes or requests.
+
+All tiers hold the same encoded bytes for a key (``cache.codec``, signed when a signing
+key is set), so promotion, demotion and publishing copy bytes without re-encoding. Every
+entry read is verified before it is returned; a damaged or foreign entry is a miss:
+deleted from a local tier, ignored (never deleted) on the shared one.
 
 Threads: ``put`` and ``get_async`` return at once; reads run on ``io_threads``
-threads, writes on one writer thread in submission order. The policy structures are guarded by one lock, held only for policy calls
-(microseconds), never across I/O.
+threads, local writes on one writer thread in submission order, publishes on one
+publisher thread. The policy structures are guarded by one lock, held only for policy
+calls (microseconds), never across I/O. Tier failures never escape: they are counted in
+``stats`` and logged at most once a minute per tier (the shared tier logs its own
+outages, once each).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -55,13 +69,61 @@ class TierStats:
     rejected: int = 0          # refused by admission
     corrupt: int = 0
     errors: int = 0
+    timeouts: int = 0          # reads/writes past the tier's deadline (also in errors)
+    unavailable: int = 0       # calls refused or failed while the tier is unreachable
     load_seconds: float = 0.0
+    tokens_loaded: int = 0     # counted by the connector: prompt tokens served from here
 
 
 @dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
     dropped_writes: int = 0    # write-behind queue full: dropped rather than block
+    dropped_publishes: int = 0  # shared-tier queue full: dropped rather than block
+
+
+WARN_INTERVAL_S = 60.0
+
+
+class SharedAdmission:
+    """Which chunks go to the shared tier (L3): the store's publishing rule.
+
+    ``"reused"`` (default): a chunk is published when it is used a second time: read
+    back from a local tier (a hit), computed and stored again after it had left the
+    local tiers, or evicted from the last local tier after a hit. One-off prompts never
+    cost network bandwidth or shared space. ``"all"``: every chunk stored. ``"none"``:
+    read-only use of the shared tier. Explicit marks (``put(..., shared=True)``) always
+    publish, whatever the mode. Called under the store lock; O(1).
+    """
+
+    MODES = ("reused", "all", "none")
+
+    def __init__(self, mode: str = "reused", history: int = 200_000) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"shared admission {mode!r}: choose one of {self.MODES}")
+        self.mode = mode
+        self._uses: OrderedDict[str, int] = OrderedDict()  # key -> uses seen (bounded)
+        self._history = history
+
+    def _use(self, key: str) -> int:
+        n = self._uses.pop(key, 0) + 1
+        self._uses[key] = n
+        if len(self._uses) > self._history:
+            self._uses.popitem(last=False)
+        return n
+
+    def on_put(self, key: str) -> bool:
+        """A chunk was computed and is being stored."""
+        return self.mode == "all" or (self._use(key) > 1 and self.mode == "reused")
+
+    def on_hit(self, key: str) -> bool:
+        """A chunk was read back from a local tier."""
+        self._use(key)
+        return self.mode != "none"
+
+    def on_evict(self, key: str) -> bool:
+        """A chunk leaves the last local tier: keep it shared if it was ever reused."""
+        return self.mode == "all" or (self.mode == "reused" and self._uses.get(key, 0) > 1)
 
 
 class TieredStore:
@@ -73,35 +135,54 @@ class TieredStore:
         signing_key: bytes = b"",
         io_threads: int = 2,
         max_pending_bytes: int = 1 << 30,
+        shared_admission: str = "reused",
+        max_publish_bytes: int = 256 << 20,
     ) -> None:
-        """``policies`` given (one per tier) makes a writer store; None a lookup-only one."""
+        """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
+        a writer store; None a lookup-only one."""
         self.tiers = list(tiers)
+        shared = [i for i, t in enumerate(self.tiers) if getattr(t, "shared", False)]
+        if shared and shared != [len(self.tiers) - 1]:
+            raise ValueError("at most one shared tier, and it must be the last")
+        self.shared: Optional[Tier] = self.tiers[-1] if shared else None
+        self.n_local = len(self.tiers) - len(shared)
         self.namespace = namespace
         self.signing_key = signing_key
         self.policies = list(policies) if policies is not None else None
-        if self.policies is not None and len(self.policies) != len(self.tiers):
+        if self.policies is not None and len(self.policies) not in (len(self.tiers), self.n_local):
             raise ValueError("one policy per tier")
+        self.admission = SharedAdmission(shared_admission)
         self.stats = StoreStats({t.name: TierStats() for t in self.tiers})
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._max_pending = max_pending_bytes
         self._pending: set[Future] = set()
+        self._warned: dict[str, tuple[float, int]] = {}
+        # Shared-tier publishing: a queue drained in batches by one thread.
+        self._publish_queue: list[tuple[str, list, int]] = []
+        self._publishing: set[str] = set()
+        self._publish_bytes = 0
+        self._max_publish = max_publish_bytes
+        self._draining = False
         # Reads run on a pool; writes (and the evictions and demotions they cause) on one
         # thread, in order, so a chain's parent is always stored before its child.
-        self._io = self._writer = None
+        self._io = self._writer = self._publisher = None
         if self.policies is not None:
             self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcache-read")
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvcache-write")
-        if self.policies is not None:
-            for i in range(len(self.tiers)):
+            if self.shared is not None:
+                self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kvcache-publish")
+            for i in range(self.n_local):
                 self._adopt(i)
 
     # -- lookup (scheduler path: cheap, never reads payloads) -----------------
-    def lookup(self, keys: Sequence[str]) -> list[int]:
-        """Tier index of each leading chunk found, stopping at the first miss."""
+    def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[int]:
+        """Tier index of each leading chunk found, stopping at the first miss. The shared
+        tier answers from memory (what it knows so far; see ``probe``)."""
+        tiers = self.tiers[: self.n_local] if local_only else self.tiers
         found = []
         for key in keys:
-            for i, tier in enumerate(self.tiers):
+            for i, tier in enumerate(tiers):
                 if tier.contains(key):
                     found.append(i)
                     break
@@ -109,9 +190,15 @@ class TieredStore:
                 break
         return found
 
+    def probe(self, keys: Sequence[str]) -> bool:
+        """Ask the shared tier, in the background, whether it holds the chain ``keys``;
+        True while answers are pending (``lookup`` will know more later). Never blocks."""
+        return self.shared.probe(keys) if self.shared is not None else False
+
     # -- reads -----------------------------------------------------------------
     def get(self, key: str, promote: bool = True) -> Optional[Entry]:
-        """The verified entry from the highest tier holding it, or None. Blocks on I/O."""
+        """The verified entry from the highest tier holding it, or None. Blocks on I/O
+        (a shared-tier read at most its deadline)."""
         for i, tier in enumerate(self.tiers):
             st = self.stats.tiers[tier.name]
             t0 = time.perf_counter()
@@ -120,24 +207,25 @@ class TieredStore:
             except KeyError:
                 continue
             except Exception as e:  # a tier failing must not fail the request
-                st.errors += 1
-                log.warning("kvcache: reading %s from %s failed: %s", key, tier.name, e)
+                self._failed(tier, "reading", key, e)
                 continue
             try:
                 info, payload = decode(raw, self.namespace, key, self.signing_key)
             except CorruptEntry as e:
                 st.corrupt += 1
-                log.warning("kvcache: dropping bad entry %s in %s: %s", key, tier.name, e)
-                self._forget(i, key)
-                tier.delete(key)
+                self._drop_bad(i, key, e)
                 continue
             st.hits += 1
             st.bytes_read += len(payload) + HEADER_SIZE
             st.load_seconds += time.perf_counter() - t0
             if self.policies is not None:
-                with self._lock:
-                    self.policies[i].touch(key)
-                if promote and i > 0:
+                if i < self.n_local:
+                    with self._lock:
+                        self.policies[i].touch(key)
+                        reused = self.admission.on_hit(key)
+                    if reused:
+                        self._publish(key, [raw])
+                if promote and i > 0 and self.n_local:
                     self._submit(self._promote, key, raw, info.parent)
             return Entry(key, info, payload, i, raw)
         if self.tiers:
@@ -150,10 +238,13 @@ class TieredStore:
         return self._io.submit(self.get, key)
 
     # -- writes (write-behind) -------------------------------------------------
-    def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer) -> bool:
+    def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
+            shared: bool = False) -> bool:
         """Queue ``payload`` for the top tier; returns at once. The caller must not
-        change ``payload`` afterwards. False when the queue is full (the entry is
-        dropped: a future miss, never a stall)."""
+        change ``payload`` afterwards. ``shared`` publishes it to the shared tier too,
+        whatever the admission rule (a prefix marked shared, e.g. by the warm tool).
+        False when the queue is full (the entry is dropped: a future miss, never a
+        stall)."""
         assert self._io is not None, "lookup-only store"
         nbytes = memoryview(payload).nbytes
         with self._lock:
@@ -161,7 +252,7 @@ class TieredStore:
                 self.stats.dropped_writes += 1
                 return False
             self._pending_bytes += nbytes
-        fut = self._submit(self._write_new, key, parent, dtype, tuple(shape), payload)
+        fut = self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared)
         fut.add_done_callback(lambda _f: self._unpend(nbytes))
         return True
 
@@ -169,8 +260,8 @@ class TieredStore:
         with self._lock:
             self._pending_bytes -= nbytes
 
-    def _submit(self, fn, *args) -> Future:
-        fut = self._writer.submit(self._guard, fn, *args)
+    def _submit(self, fn, *args, executor: Optional[ThreadPoolExecutor] = None) -> Future:
+        fut = (executor or self._writer).submit(self._guard, fn, *args)
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._done)
@@ -187,11 +278,109 @@ class TieredStore:
         except Exception:  # background work must never take the engine down
             log.exception("kvcache: background %s failed", getattr(fn, "__name__", fn))
 
-    def _write_new(self, key, parent, dtype, shape, payload) -> None:
-        if any(t.contains(key) for t in self.tiers):
-            return
+    def _write_new(self, key, parent, dtype, shape, payload, shared=False) -> None:
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
-        self._store(0, key, parent, [header, payload])
+        local = self.tiers[: self.n_local]
+        if local and not any(t.contains(key) for t in local):
+            self._store(0, key, parent, [header, payload])
+        with self._lock:
+            admitted = self.admission.on_put(key)
+        if shared or admitted or not local:
+            self._publish(key, [header, payload])
+
+    # -- the shared tier -------------------------------------------------------
+    def _publish(self, key: str, parts: list) -> None:
+        """Queue an encoded entry for the shared tier; returns at once. Skipped when the
+        tier already has it, is down, or the queue is full."""
+        tier = self.shared
+        if tier is None or self._publisher is None or tier.contains(key):
+            return
+        if not getattr(tier, "available", True):  # down: skip without queueing
+            self.stats.tiers[tier.name].unavailable += 1
+            return
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        with self._lock:
+            if key in self._publishing:
+                return
+            if self._publish_bytes + nbytes > self._max_publish:
+                self.stats.dropped_publishes += 1
+                return
+            self._publishing.add(key)
+            self._publish_bytes += nbytes
+            self._publish_queue.append((key, parts, nbytes))
+            start, self._draining = not self._draining, True
+        if start:
+            self._submit(self._drain_publishes, executor=self._publisher)
+
+    def _drain_publishes(self) -> None:
+        """Write queued entries to the shared tier, a batch at a time, in queue order
+        (parents before children)."""
+        while True:
+            with self._lock:
+                batch, self._publish_queue = self._publish_queue, []
+                if not batch:
+                    self._draining = False
+                    return
+            for key, parts, nbytes in batch:
+                try:
+                    self._write_shared(key, parts, nbytes)
+                finally:
+                    with self._lock:
+                        self._publishing.discard(key)
+                        self._publish_bytes -= nbytes
+
+    def _write_shared(self, key: str, parts: list, nbytes: int) -> None:
+        tier = self.shared
+        st = self.stats.tiers[tier.name]
+        if not tier.reserve(nbytes):
+            st.rejected += 1
+            return
+        try:
+            published = tier.write(key, parts, nbytes)
+        except Exception as e:
+            self._failed(tier, "writing", key, e)
+            return
+        if published:
+            st.writes += 1
+            st.bytes_written += nbytes
+
+    def _failed(self, tier: Tier, doing: str, key: str, e: Exception) -> None:
+        """Count a tier failure; log it (at most once a minute per tier). Connection
+        trouble and deadlines are the shared tier's to report (once per outage)."""
+        st = self.stats.tiers[tier.name]
+        if isinstance(e, ConnectionError):
+            st.unavailable += 1
+            return
+        st.errors += 1
+        if isinstance(e, TimeoutError):
+            st.timeouts += 1
+            return
+        self._warn(tier.name, "kvcache: %s %s in %s failed: %s", doing, key, tier.name, e)
+
+    def _warn(self, tier_name: str, fmt: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._warned.get(tier_name, (-WARN_INTERVAL_S, 0))
+            if now - last < WARN_INTERVAL_S:
+                self._warned[tier_name] = (last, suppressed + 1)
+                return
+            self._warned[tier_name] = (now, 0)
+        if suppressed:
+            fmt += " (%d more since the last message)"
+            args += (suppressed,)
+        log.warning(fmt, *args)
+
+    def _drop_bad(self, i: int, key: str, e: CorruptEntry) -> None:
+        """A local tier deletes a bad entry; the shared tier's is only ignored here."""
+        tier = self.tiers[i]
+        self._warn(tier.name, "kvcache: ignoring bad entry %s in %s: %s", key, tier.name, e)
+        if i >= self.n_local:
+            reject = getattr(tier, "reject", None)
+            if reject is not None:
+                reject(key)
+            return
+        self._forget(i, key)
+        tier.delete(key)
 
     def _promote(self, key, raw, parent) -> None:
         if not self.tiers[0].contains(key):
@@ -199,7 +388,8 @@ class TieredStore:
             self.stats.tiers[self.tiers[0].name].promotions += 1
 
     def _store(self, i: int, key: str, parent: Optional[str], parts: list) -> bool:
-        """Write into tier ``i`` if its policy admits it, evicting (and demoting) to make room."""
+        """Write into local tier ``i`` if its policy admits it, evicting (and demoting)
+        to make room."""
         tier, policy = self.tiers[i], self.policies[i]
         st = self.stats.tiers[tier.name]
         nbytes = sum(memoryview(p).nbytes for p in parts)
@@ -228,8 +418,7 @@ class TieredStore:
         try:
             published = tier.write(key, parts, nbytes)
         except Exception as e:
-            st.errors += 1
-            log.warning("kvcache: writing %s to %s failed: %s", key, tier.name, e)
+            self._failed(tier, "writing", key, e)
             return False
         if published:
             st.writes += 1
@@ -239,23 +428,34 @@ class TieredStore:
         return published
 
     def _evict(self, i: int, victim: str) -> None:
-        """Remove ``victim`` from tier ``i``; hand its bytes to the next tier down."""
+        """Remove ``victim`` from local tier ``i``; hand its bytes to the next local tier
+        down, or, from the last one, to the shared tier when the admission rule says so."""
         tier = self.tiers[i]
+        to_local = i + 1 < self.n_local and not self.tiers[i + 1].contains(victim)
+        with self._lock:
+            to_shared = (i + 1 == self.n_local and self.shared is not None
+                         and self.admission.on_evict(victim))
+        to_shared = to_shared and not self.shared.contains(victim)
         raw = None
-        if i + 1 < len(self.tiers) and not self.tiers[i + 1].contains(victim):
+        if to_local or to_shared:
             try:
                 raw = tier.read(victim)  # (an mmap stays valid after the unlink below)
             except KeyError:
                 raw = None
         tier.delete(victim)
         self.stats.tiers[tier.name].evictions += 1
-        if raw is not None:
-            try:
-                parent = read_header(raw, self.namespace, victim).parent
-            except CorruptEntry:
-                return
-            if self._store(i + 1, victim, parent, [raw]):
-                self.stats.tiers[tier.name].demotions += 1
+        if raw is None:
+            return
+        try:  # a shared entry is verified in full: other nodes will trust its checksum
+            info = (decode(raw, self.namespace, victim, self.signing_key)[0] if to_shared
+                    else read_header(raw, self.namespace, victim))
+        except CorruptEntry:
+            return
+        if to_shared:
+            self._publish(victim, [raw])
+            self.stats.tiers[tier.name].demotions += 1
+        elif self._store(i + 1, victim, info.parent, [raw]):
+            self.stats.tiers[tier.name].demotions += 1
 
     def _forget(self, i: int, key: str) -> None:
         if self.policies is not None:
@@ -271,7 +471,8 @@ class TieredStore:
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until queued writes (and the promotions/demotions they cause) are done."""
+        """Wait until queued writes (and the promotions, demotions and publishes they
+        cause) are done."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -289,14 +490,16 @@ class TieredStore:
     def close(self, timeout: Optional[float] = 10.0) -> None:
         if self._io is not None:
             self.flush(timeout)
-            self._io.shutdown(wait=False, cancel_futures=True)
-            self._writer.shutdown(wait=False, cancel_futures=True)
+            for pool in (self._io, self._writer, self._publisher):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
         for t in self.tiers:
             t.close()
 
     def check(self) -> None:
-        """Invariants, for tests: bounds hold and every tracked key is present."""
-        for i, tier in enumerate(self.tiers):
+        """Invariants, for tests: bounds hold and every tracked key is present (local
+        tiers; the shared tier's space is the backend's)."""
+        for i, tier in enumerate(self.tiers[: self.n_local]):
             used = tier.used_bytes()
             if tier.capacity is not None:
                 assert used <= tier.capacity, f"{tier.name}: {used} > {tier.capacity}"

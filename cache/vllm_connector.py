@@ -72,7 +72,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
-            self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks)
+            self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -105,6 +105,21 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self):
+        return self.worker_side.get_stats() if self.worker_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None):
+        from cache.connector.metrics import TieredKVStats
+
+        return TieredKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from cache.connector.metrics import TieredKVPromMetrics
+
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -4,6 +4,12 @@ Runs in vLLM's engine-core process, inside the scheduler loop: nothing here may 
 A lookup hashes the prompt once per request (BLAKE2b, microseconds per chunk) and asks
 each tier ``contains`` (one ``stat`` per chunk and rank); no payload is read here.
 
+Shared tier (L3). Its ``contains`` answers from memory; for chunks it does not know yet,
+``store.probe`` starts background existence checks and the request is deferred (vLLM's
+"ask me again" answer, ``None``) until they answer or ``lookup_wait`` passes, whichever
+comes first; then it goes on with what is known. Loads from L3 are asynchronous (worker
+threads) like every load below DRAM.
+
 Chunk boundaries. A prompt of *n* tokens is looked up up to ``align(n - 1)`` (block
 aligned; the last token is always recomputed for its logits): whole chunks, then one
 partial *tail* chunk of whole blocks. Saves cover the same whole chunks, every further
@@ -13,6 +19,7 @@ whole chunk of the prompt, and that tail, so the same prompt sent again hits in 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -27,6 +34,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# Longest a new request waits for the shared tier to say whether it holds its prefix.
+LOOKUP_WAIT_MAX_S = 0.5
 
 
 @dataclass
@@ -47,6 +57,7 @@ class RequestState:
     pending_load: Optional[LoadRequest] = None
     planned: dict[str, int] = field(default_factory=dict)
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
+    probe_until: Optional[float] = None  # deadline of the wait for the shared tier
 
 
 class SchedulerSide:
@@ -59,6 +70,7 @@ class SchedulerSide:
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
         self.views = [TieredStore(make_tiers(config, ns.id), ns.digest) for ns in namespaces]
         self._kv_manager = kv_cache_manager_getter
+        self.lookup_wait = min(config.remote_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.remote_url else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
 
@@ -94,19 +106,26 @@ class SchedulerSide:
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
     # -- vLLM hooks ------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         if not self._cacheable(request):
             return 0, False
         st = self._state(request)
         st.pending_load = None
-        found = min(len(v.lookup([c.key for c in st.lookup])) for v in self.views) if self.views else 0
+        keys = [c.key for c in st.lookup]
+        found = min(len(v.lookup(keys)) for v in self.views) if self.views else 0
+        if (found < len(keys) and st.lookup[-1].end > num_computed_tokens
+                and self._awaiting_shared(st, keys[found:])):
+            return None, False  # ask again at the next step
         tiers = [max(v.lookup([c.key for c in st.lookup[:found]])[i] for v in self.views)
                  for i in range(found)] if found else []
         if not found or st.lookup[found - 1].end <= num_computed_tokens:
             return 0, False
         hit_end = st.lookup[found - 1].end
         needed = [i for i in range(found) if st.lookup[i].end > num_computed_tokens]
-        asynchronous = any(tiers[i] > 0 for i in needed)
+        # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
+        # shared tier even when it is the only one, load on worker threads.
+        sync_tier = 0 if self.views[0].n_local else -1
+        asynchronous = any(tiers[i] != sync_tier for i in needed)
         names = [t.name for t in self.views[0].tiers]
         st.planned = {}
         for i in needed:
@@ -117,6 +136,19 @@ class SchedulerSide:
                   for i in needed]
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
+        """Whether to defer the request while the shared tier is asked about ``keys``:
+        at most ``lookup_wait`` after the first ask; then it goes on with what is known."""
+        if not self.lookup_wait:
+            return False
+        pending = [v.probe(keys) for v in self.views]  # every rank's view starts its checks
+        if not any(pending):
+            return False
+        now = time.monotonic()
+        if st.probe_until is None:
+            st.probe_until = now + self.lookup_wait
+        return now < st.probe_until
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self.requests.get(request.request_id)
@@ -148,8 +180,8 @@ class SchedulerSide:
             while st.next_save < len(st.saves) and st.saves[st.next_save].end <= done:
                 c = st.saves[st.next_save]
                 st.next_save += 1
-                if all(v.lookup([c.key]) for v in self.views):
-                    continue  # already stored (by us, another engine, or an earlier turn)
+                if all(v.lookup([c.key], local_only=True) for v in self.views):
+                    continue  # already stored here (by us, another engine, or an earlier turn)
                 if block_ids is None:
                     block_ids = self._kv_manager().get_block_ids(req_id)[0]
                 meta.saves.append(ChunkIO(c.key, c.parent,

@@ -8,7 +8,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors (the only synchronous part of a save) and handed to the store's writer
   thread; encoding, checksums and file writes never delay the next step.
-- A chunk that cannot be loaded (evicted meanwhile, damaged, foreign) fails its blocks
+- A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
+  read past ``KVCACHE_REMOTE_TIMEOUT_MS``: the tier's own deadline) fails its blocks
   and every later block of the request; vLLM recomputes them.
 """
 
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import warnings
 from typing import Optional
 
 import torch
 
 from cache.config import CacheConfig
+from cache.connector.metrics import StatsDelta
 from cache.connector.metadata import LoadRequest, TieredKVMetadata
 from cache.keys import Namespace
 from cache.kv_copy import BlockCopier, KVLayout
@@ -32,10 +36,13 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int) -> None:
+    def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int,
+                 block_size: int) -> None:
         self.config = config
         self.namespace = namespace
         self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._stats = StatsDelta()
         tiers = make_tiers(config, namespace.id)
         self.store = TieredStore(tiers, namespace.digest, [make_policy(config.policy) for _ in tiers],
                                  signing_key=config.signing_key.encode(), io_threads=config.io_threads)
@@ -51,7 +58,8 @@ class WorkerSide:
         log.info("kvcache: %d KV layers, block dim %d, %s, %d bytes per block; tiers: %s",
                  len(layout.layer_names), layout.block_dim, layout.dtype_name,
                  layout.bytes_per_block(),
-                 ", ".join(f"{t.name}={t.capacity:,}B" for t in self.store.tiers) or "none")
+                 ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
+                           for t in self.store.tiers) or "none")
 
     # -- loads -----------------------------------------------------------------
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
@@ -81,15 +89,20 @@ class WorkerSide:
     def _load(self, load: LoadRequest) -> set[int]:
         """Fill the request's blocks chunk by chunk; returns the blocks that failed."""
         assert self.copier is not None
-        futures = [self.store.get_async(c.key) for c in load.chunks] if load.asynchronous else None
+        # Reads and checksums run on the store's read threads, ahead of the copies here.
+        futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
-            entry = futures[i].result() if futures else self.store.get(chunk.key)
+            entry = futures[i].result()
             ok = entry is not None and entry.info.dtype == self.copier.layout.dtype_name
             if ok:
                 try:
-                    src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
+                    with warnings.catch_warnings():  # read-only mapping, only ever copied from
+                        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                        src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
                     src = src.view(entry.info.shape)
                     self.copier.scatter(chunk.block_ids, src, chunk.first)
+                    tier = self.store.stats.tiers[self.store.tiers[entry.tier].name]
+                    tier.tokens_loaded += len(chunk.block_ids) * self.block_size
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
                     ok = False
@@ -103,6 +116,15 @@ class WorkerSide:
         for req_id in done:
             self._inflight.pop(req_id, None)
         return done
+
+    def get_stats(self):
+        """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
+        levels = {}
+        for t in self.store.tiers:
+            if t.capacity is not None:
+                levels[f"{t.name}.capacity_bytes"] = t.capacity
+                levels[f"{t.name}.used_bytes"] = t.used_bytes()
+        return self._stats.take(self.store.stats, levels)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -120,6 +142,9 @@ class WorkerSide:
                            host.view(torch.uint8).reshape(-1).numpy())
 
     def shutdown(self) -> None:
+        """Flush write-behind within vLLM's worker shutdown grace (~5 s); what is not
+        written by then is a future miss, never a damaged entry."""
+        deadline = time.monotonic() + 1.0
         for t in list(self._inflight.values()):
-            t.join(timeout=5)
-        self.store.close(timeout=20)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.store.close(timeout=3.0)

@@ -119,10 +119,11 @@ class FileTier(Tier):
         try:
             size = os.fstat(fd).st_size
             if self.use_mmap and size:
-                # Private, prefaulted mapping: zero-copy from tmpfs pages; the file may
-                # be unlinked meanwhile and the mapping stays valid.
-                return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                # Read-only, prefaulted, shared mapping: zero-copy from tmpfs pages (a
+                # private writable one would copy them). Entries are never modified in
+                # place and the mapping stays valid if the file is unlinked meanwhile.
+                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                 prot=mmap.PROT_READ)
             buf = np.empty(size, dtype=np.uint8)
             view, got = memoryview(buf), 0
             while got < size:
