@@ -141,7 +141,7 @@ class TieredStore:
         """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
         a writer store; None a lookup-only one."""
         self.tiers = list(tiers)
-        shared = [i for i, t in enumerate(self.tiers) if getattr(t, "shared", False)]
+        shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
             raise ValueError("at most one shared tier, and it must be the last")
         self.shared: Optional[Tier] = self.tiers[-1] if shared else None

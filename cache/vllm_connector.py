@@ -62,9 +62,9 @@ class TieredKVConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager)
             log.info("kvcache: chunk %d tokens (%d-token blocks); DRAM %s (%s bytes), "
-                     "disk %s (%s bytes); policy %s", config.chunk_tokens, block_size,
+                     "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.cpu_path, f"{config.cpu_bytes:,}", config.disk_path,
-                     f"{config.disk_bytes:,}", config.policy)
+                     f"{config.disk_bytes:,}", config.remote_url or "off", config.policy)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 

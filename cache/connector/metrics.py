@@ -37,7 +37,11 @@ COUNTERS = {
     "rejected": "Writes the tier's admission policy refused",
     "corrupt": "Damaged or foreign entries found and dropped",
     "errors": "Tier I/O errors (never fail a request)",
+    "timeouts": "Reads from the tier that passed their deadline (recomputed)",
+    "unavailable": "Operations skipped while the tier was unreachable",
     "load_seconds": "Seconds spent reading and verifying entries",
+    "dropped_writes": "Saves dropped because the write-behind queue was full (tier=all)",
+    "dropped_publishes": "Shared-tier publishes dropped because their queue was full (tier=all)",
     "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
 }
 
@@ -69,6 +73,8 @@ class StatsDelta:
 
     def take(self, stats: StoreStats, levels: dict[str, float]) -> Optional[TieredKVStats]:
         now = {f"{tier}.{k}": v for tier, st in stats.tiers.items() for k, v in asdict(st).items()}
+        now["all.dropped_writes"] = stats.dropped_writes
+        now["all.dropped_publishes"] = stats.dropped_publishes
         delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         if not delta:

@@ -124,7 +124,8 @@ class SchedulerSide:
         needed = [i for i in range(found) if st.lookup[i].end > num_computed_tokens]
         # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
         # shared tier even when it is the only one, load on worker threads.
-        sync_tier = 0 if self.views[0].n_local else -1
+        first = self.views[0].tiers[0] if self.views[0].n_local else None
+        sync_tier = 0 if first is not None and first.name == "dram" else -1
         asynchronous = any(tiers[i] != sync_tier for i in needed)
         names = [t.name for t in self.views[0].tiers]
         st.planned = {}

@@ -28,6 +28,14 @@ Buffer = object  # bytes, bytearray, memoryview, numpy array: anything with the 
 class Tier(ABC):
     name: str = "tier"
     capacity: Optional[int] = None
+    # True for a tier shared by many nodes (L3): write-once, never evicted by us, and
+    # ``contains`` answers from memory (see ``probe``).
+    shared: bool = False
+
+    def probe(self, keys: Sequence[str]) -> bool:
+        """Start background existence checks for the chain ``keys``; True while some are
+        still unanswered. Local tiers answer ``contains`` directly: nothing to wait for."""
+        return False
 
     @abstractmethod
     def contains(self, key: str) -> bool:
