@@ -135,6 +135,10 @@ class TieredKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.invalid_block_ids:
+            self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         loaded = self.scheduler_side.request_finished(request)
         # Shown in the request's output (kv_transfer_params): tokens loaded per tier.

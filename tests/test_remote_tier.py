@@ -533,3 +533,22 @@ def test_scheduler_defers_a_request_only_until_the_shared_tier_answers(tmp_path,
     else:
         assert (n, asynchronous) == (0, False)
         assert waited <= 0.45, waited  # bounded by the lookup wait (300 ms here)
+
+
+def test_a_failed_shared_load_is_not_offered_again(tmp_path):
+    """Workers report the blocks they could not load; the scheduler stops offering that
+    chunk from the shared tier instead of paying for the same bad read on every request."""
+    url = f"file://{tmp_path}/l3"
+    side, ns = scheduler(url, timeout_ms=300)
+    keys = chunk_keys(ns.chain_digest, list(range(192)), 32)
+    writer = TieredStore([remote(tmp_path / "l3", namespace=ns.id)], ns.digest, [LRUPolicy()])
+    put_chain(writer, keys)
+    req = request("a")
+    assert ask_until_answered(side, req)[:2] == (192, True)
+    side.update_state_after_alloc(req, types.SimpleNamespace(get_block_ids=lambda: (list(range(12)),)), 192)
+    (load,) = side.build_connector_meta(types.SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={},
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_computed_tokens=[]))).loads
+    assert load.chunks[2].block_ids == [4, 5]
+    side.loads_failed({4, 5, 6, 7, 8, 9, 10, 11})  # chunk 2 failed, and everything after it
+    assert ask_until_answered(side, request("b"))[:2] == (64, True)

@@ -58,6 +58,7 @@ class RequestState:
     planned: dict[str, int] = field(default_factory=dict)
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
+    issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
 
 
 class SchedulerSide:
@@ -165,6 +166,7 @@ class SchedulerSide:
             first_block = c.start // self.block_size + chunk.first
             chunk.block_ids = list(block_ids[first_block: c.end // self.block_size])
         self._loads.append(load)
+        st.issued.extend(load.chunks)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
         meta = TieredKVMetadata(loads=self._loads)
@@ -188,6 +190,19 @@ class SchedulerSide:
                 meta.saves.append(ChunkIO(c.key, c.parent,
                                           list(block_ids[c.start // self.block_size: c.end // self.block_size])))
         return meta
+
+    def loads_failed(self, invalid_block_ids: set[int]) -> None:
+        """Workers could not load these blocks (entry gone, damaged, foreign, late).
+        The first failed chunk of each request is dropped from the shared tier's view
+        (a local tier's bad entry was already deleted by the worker), so later requests
+        do not pay for the same bad read again."""
+        for st in self.requests.values():
+            bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
+            if bad is None:
+                continue
+            for view in self.views:
+                if view.shared is not None:
+                    view.shared.reject(bad.key)
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""

@@ -74,5 +74,9 @@ class Tier(ABC):
         removes leftovers (unfinished temporary files). Called at start-up and when the
         policy runs out of known victims (another process filled the tier)."""
 
+    def reject(self, key: str) -> None:
+        """``key`` failed to load from this tier; a shared tier stops offering it for a
+        while. Local tiers delete bad entries instead: nothing to do."""
+
     def close(self) -> None:
         """Release resources; default nothing."""
