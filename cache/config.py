@@ -41,6 +41,9 @@ class CacheConfig:
     remote_url: str = ""
     curvine_conf: str = ""
     remote_timeout_ms: int = 2000
+    # What the store publishes to L3 (cache.store.SharedAdmission): "reused" (a chunk used a
+    # second time), "all" (every chunk stored), "none" (L3 is only read).
+    shared_admission: str = "reused"
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     signing_key: str = ""
     # Eviction/admission policy name (see cache.policy.POLICIES).
@@ -185,6 +188,12 @@ def build_cache_config(
         raise ConfigError(f"KVCACHE_IO_THREADS={threads_text!r} must be a positive integer")
 
     from cache.policy import POLICIES
+    from cache.store import SharedAdmission
+
+    admission = (get("shared_admission") or CacheConfig.shared_admission).strip().lower()
+    if admission not in SharedAdmission.MODES:
+        raise ConfigError(f"KVCACHE_SHARED_ADMISSION={admission!r} is unknown; choose one of "
+                          f"{', '.join(SharedAdmission.MODES)}")
 
     policy = get("policy") or CacheConfig.policy
     if policy not in POLICIES:
@@ -199,6 +208,7 @@ def build_cache_config(
         remote_url=get("remote_url") or "",
         curvine_conf=get("curvine_conf") or "",
         remote_timeout_ms=int(timeout_text),
+        shared_admission=admission,
         signing_key=get("signing_key") or "",
         policy=policy,
         io_threads=int(threads_text),

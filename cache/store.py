@@ -469,6 +469,14 @@ class TieredStore:
                 if key not in self.policies[i]:
                     self.policies[i].insert(key, None, size)
 
+    def hint_upcoming(self, keys: Sequence[str]) -> None:
+        """Queued requests will load ``keys`` soon: every local tier's policy protects them."""
+        if self.policies is None:
+            return
+        with self._lock:
+            for policy in self.policies[: self.n_local]:
+                policy.hint_upcoming(keys)
+
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until queued writes (and the promotions, demotions and publishes they

@@ -89,6 +89,7 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     side.update_state_after_alloc(again, Blocks(list(range(12))), 1408 - 384)
     meta = side.build_connector_meta(output())
     (load,) = meta.loads
+    assert meta.upcoming == [c.key for c in side.requests["b"].lookup]  # protected until loaded
     assert load.chunks[0].first == 1 and load.chunks[0].block_ids == [3]
     assert [b for c in load.chunks for b in c.block_ids] == list(range(3, 11))
     assert side.request_finished(again) == {"dram": 1408 - 384}

@@ -37,3 +37,5 @@ class LoadRequest:
 class TieredKVMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[ChunkIO] = field(default_factory=list)
+    # Chunks that requests waiting in the queue will load soon: the policies protect them.
+    upcoming: list[str] = field(default_factory=list)

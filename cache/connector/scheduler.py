@@ -74,6 +74,7 @@ class SchedulerSide:
         self.lookup_wait = min(config.remote_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.remote_url else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
+        self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -122,6 +123,7 @@ class SchedulerSide:
         if not found or st.lookup[found - 1].end <= num_computed_tokens:
             return 0, False
         hit_end = st.lookup[found - 1].end
+        self._upcoming.update(dict.fromkeys(c.key for c in st.lookup[:found]))
         needed = [i for i in range(found) if st.lookup[i].end > num_computed_tokens]
         # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
         # shared tier even when it is the only one, load on worker threads.
@@ -169,8 +171,8 @@ class SchedulerSide:
         st.issued.extend(load.chunks)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads)
-        self._loads = []
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming))
+        self._loads, self._upcoming = [], {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))

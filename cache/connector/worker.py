@@ -63,6 +63,8 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
+        if meta.upcoming:
+            self.store.hint_upcoming(meta.upcoming)
         for load in meta.loads:
             if load.asynchronous:
                 t = threading.Thread(target=self._load_async, args=(load,), daemon=True,
