@@ -3,8 +3,8 @@
 Runs on the server's event loop, in front of vLLM's ``AsyncLLM`` (``serving.engine``).
 What must not block: ``/ping`` reads flags only (it must answer within 2 s while the
 engine is busy or still loading); ``/invocations`` awaits the engine and never
-computes anything heavier than JSON translation itself; ``/metrics`` waits at most
-about a second for the workers' counters, then serves the last known ones.
+computes anything heavier than JSON translation itself; ``/metrics`` renders what
+the registries hold (no engine call).
 
 Errors: every client mistake is a 4xx with a message (malformed JSON 400, wrong
 types 400, body over the payload limit 413, prompt longer than the context 400,
@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from serving.config import ServingConfig
-from serving.engine import Engine, State, merge_worker_stats
+from serving.engine import Engine, State
 from serving.invocations import (
     BadRequest,
     TgiStream,
@@ -58,20 +58,13 @@ class Gate:
 
 
 def build_metrics(config: ServingConfig) -> ServingMetrics:
-    usage = {}
     order: tuple[str, ...] = ()
     if config.plan is not None:
-        from dataclasses import replace
-
-        from cache.tiers import make_tiers
-
-        # The local tiers' roots (usage is kept per root); the shared tier has no usage
-        # of ours to report and is not opened in this process.
-        tiers = make_tiers(replace(config.plan.cache, remote_url=""), "")
-        usage = {t.name: (t.capacity, t.used_bytes) for t in tiers}
-        order = tuple(t.name for t in tiers) + (("remote",) if config.plan.cache.remote_url else ())
+        c = config.plan.cache  # the tiers the connector enables, fastest first (cache.tiers.make_tiers)
+        order = tuple(name for name, on in (("dram", c.cpu_bytes), ("disk", c.disk_bytes),
+                                            ("remote", c.remote_url)) if on)
     fp = config.footprint
-    return ServingMetrics(fp.bytes_per_token if fp else None, order, usage, NvmlEnergy.try_create())
+    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create())
 
 
 def error(status: int, message: str, kind: str = "BadRequestError",
@@ -151,7 +144,7 @@ def create_app(config: ServingConfig, engine: Optional[Engine] = None,
             return JSONResponse({"status": "draining"}, status_code=503)
         if engine.healthy:
             return JSONResponse({"status": "healthy"})
-        body: dict[str, Any] = {"status": engine.state.value}
+        body: dict[str, Any] = {"status": "warming" if engine.warmup is not None else engine.state.value}
         if engine.state is State.READY:
             body["status"] = "engine dead"
         if engine.error is not None:
@@ -161,10 +154,8 @@ def create_app(config: ServingConfig, engine: Optional[Engine] = None,
     # -- /metrics ------------------------------------------------------------------------
     @app.get("/metrics")
     async def prometheus() -> Response:
-        snap = merge_worker_stats(await engine.cache_stats())
-        if snap:
-            metrics.worker_snapshot = snap
-        metrics.tier_metrics_elsewhere = engine.native_cache_stats
+        """vLLM's registry (its ``vllm:*`` series and the connector's ``kvcache:tier_*``,
+        registered there by ``TieredKVConnector.build_prom_metrics``), then ours."""
         vllm_part = b""
         if engine.client is not None:
             from vllm.v1.metrics.prometheus import get_prometheus_registry

@@ -18,6 +18,9 @@ Engine arguments: ``SM_NUM_GPUS`` -> ``--tensor-parallel-size``; every ``SM_VLLM
 (``OPTION_TENSOR_PARALLEL_DEGREE`` ...). ``SM_VLLM_*`` wins over ``OPTION_*``, both win
 over our defaults.
 
+Pre-warming: ``KVCACHE_WARM_PROMPTS`` (a JSON-lines prompts file, checked here; run by
+``serving.warmup`` before the engine starts).
+
 HTTP: port, timeouts and payload limit through the ``sagemaker-inference`` toolkit's
 ``Environment`` (``SAGEMAKER_BIND_TO_PORT``, ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
 ``SAGEMAKER_STARTUP_TIMEOUT``, ``SAGEMAKER_MAX_PAYLOAD_IN_MB``), log level from
@@ -48,7 +51,6 @@ DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drai
 CONNECTOR = {"kv_connector": "TieredKVConnector",
              "kv_connector_module_path": "cache.vllm_connector",
              "kv_role": "kv_both"}
-STATS_EXTENSION = "serving.worker_stats.CacheStatsExtension"
 
 # LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
 LMI_ALIASES: dict[str, Optional[str]] = {
@@ -93,7 +95,9 @@ class EngineSettings:
     served_model_name: str = "model"
     tensor_parallel_size: int = 1
     kvcache_enabled: bool = True
-    stats_extension: bool = True            # our worker extension reports tier counters
+    # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.warm) by an engine of
+    # its own before this one starts; None: no warm-up.
+    warm_prompts: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class ServingConfig:
                  f"{self.engine.served_model_name!r}; port {self.http.port}",
                  "vLLM " + " ".join(_redact(self.engine.vllm_args))]
         lines += [f"engine env {k}={v}" for k, v in self.engine.env]
+        if self.engine.warm_prompts:
+            lines.append(f"warm-up before serving: {self.engine.warm_prompts} (KVCACHE_WARM_PROMPTS)")
         lines += [f"note: {n}" for n in self.notes]
         if self.plan is not None:
             lines.append(self.plan.format(self.model.model))
@@ -328,6 +334,50 @@ def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Opti
     return max(0, int(total * util) - (weights or 0)) if weights is not None else None
 
 
+# -- pre-warming -------------------------------------------------------------------
+WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
+
+
+def _warm_prompts(env: Mapping[str, str], plan: Optional[TierPlan]) -> Optional[str]:
+    """``KVCACHE_WARM_PROMPTS``, checked now so that a bad file stops start-up before any
+    engine runs: readable, one JSON object per line with one of ``WARM_KEYS``, and a
+    cache that can publish (warming fills the shared tier; ``cache.warm``)."""
+    path = (env.get("KVCACHE_WARM_PROMPTS") or "").strip()
+    if not path:
+        return None
+    name = f"KVCACHE_WARM_PROMPTS={path!r}"
+    if plan is None:
+        raise ConfigError(f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
+                          "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)")
+    if not plan.cache.has_remote:
+        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set "
+                          "KVCACHE_REMOTE_URL too")
+    if plan.cache.shared_admission == "none":
+        raise ConfigError(f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
+                          "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
+    prompts = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise ConfigError(f"{name}, line {n}: not JSON ({e})") from None
+                if not isinstance(obj, dict) or not any(k in obj for k in WARM_KEYS):
+                    raise ConfigError(f"{name}, line {n}: each line must be a JSON object with "
+                                      f"one of {', '.join(WARM_KEYS)}")
+                prompts += 1
+    except OSError as e:
+        raise ConfigError(f"{name} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name} is not UTF-8 text: {e}") from None
+    if not prompts:
+        raise ConfigError(f"{name} holds no prompts")
+    return os.path.abspath(path)
+
+
 # -- the one builder ---------------------------------------------------------------
 def build_serving_config(env: Optional[Mapping[str, str]] = None,
                          machine: Optional[Machine] = None) -> ServingConfig:
@@ -361,7 +411,6 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
         kvcache = False
         notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; "
                      "the tiered cache is off")
-    stats_ext = kvcache and "--worker-extension-cls" not in user
 
     # Sizing: the model's KV footprint against the machine.
     footprint = None
@@ -385,8 +434,7 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
                           context_tokens=context)
         args["--kv-transfer-config"] = json.dumps(
             {**CONNECTOR, "kv_connector_extra_config": plan.connector_extra()})
-        if stats_ext:
-            args["--worker-extension-cls"] = STATS_EXTENSION
+    warm_prompts = _warm_prompts(env, plan)
 
     for flag, value in user.items():  # the user's arguments win over ours
         args[flag] = value
@@ -402,6 +450,6 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
         served_model_name=user.get("--served-model-name", served),
         tensor_parallel_size=tp,
         kvcache_enabled=kvcache,
-        stats_extension=stats_ext,
+        warm_prompts=warm_prompts,
     )
     return ServingConfig(model, http, engine, plan, footprint, tuple(notes))

@@ -8,6 +8,8 @@ go through vLLM's own OpenAI serving layer (``OpenAIServingChat`` and
 ``OpenAIServingCompletion``), built by vLLM's ``init_app_state`` from the same
 arguments ``vllm serve`` takes. The engine client those objects see is wrapped by
 ``ObservedEngine``, which records each finished request's outcome for the metrics.
+With ``KVCACHE_WARM_PROMPTS``, the warm-up (``serving.warmup``, an engine of its own in
+a child process) runs to its end first, so two engines never share the memory.
 
 ``healthy`` reads two flags (ours and vLLM's ``errored``): no engine call, so it is
 safe on the ``/ping`` path while the engine is busy.
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 from cache.config import ConfigError
 from serving.config import EngineSettings
 from serving.metrics import RequestOutcome, now, outcome_from_output
+from serving.warmup import Warmup
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +112,7 @@ class Engine:
         self.chat: Any = None             # OpenAIServingChat
         self.completion: Any = None       # OpenAIServingCompletion
         self.max_model_len: Optional[int] = None
-        self._stats_task: Optional[asyncio.Task] = None
-        self._stats: list[dict] = []
-        # True when the connector feeds vLLM's own connector metrics (kvcache:tier_*):
-        # then the workers are not polled and our tier collector stays quiet.
-        self.native_cache_stats = False
+        self.warmup: Optional[Warmup] = None   # KVCACHE_WARM_PROMPTS, while it runs
 
     # -- health (the /ping path: flags only) ---------------------------------------
     @property
@@ -147,6 +146,18 @@ class Engine:
         for key, value in self.settings.env:
             os.environ.setdefault(key, value)
         args = await asyncio.to_thread(parse_engine_args, self.settings)
+        if self.state is State.STOPPING:
+            return
+        if self.settings.warm_prompts:
+            # Before the serving engine, never beside it: the warm-up engine's process tree
+            # has exited (its memory released) when run() returns.
+            self.warmup = Warmup(self.settings)
+            try:
+                await self.warmup.run()
+            finally:
+                self.warmup = None
+            if self.state is State.STOPPING:
+                return
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
@@ -154,7 +165,6 @@ class Engine:
 
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
-        self.native_cache_stats = connector_reports_stats()
         tasks = await self.client.get_supported_tasks()
         if "generate" not in tasks:
             raise ConfigError(f"model {self.settings.served_model_name} does not generate text "
@@ -164,22 +174,6 @@ class Engine:
         self.chat = app_state.openai_serving_chat
         self.completion = app_state.openai_serving_completion
         self.max_model_len = self.client.model_config.max_model_len
-
-    # -- cache statistics (the /metrics path) ----------------------------------------
-    async def cache_stats(self, wait_s: float = 1.0) -> list[dict]:
-        """Per-rank store counters from the workers; the last known ones if the engine
-        does not answer within ``wait_s`` (it answers between steps)."""
-        if not self.healthy or not self.settings.stats_extension or self.native_cache_stats:
-            return self._stats
-        if self._stats_task is None or self._stats_task.done():
-            self._stats_task = asyncio.ensure_future(self.client.collective_rpc("kvcache_stats"))
-        try:
-            self._stats = list(await asyncio.wait_for(asyncio.shield(self._stats_task), wait_s))
-        except asyncio.TimeoutError:
-            pass
-        except Exception as e:
-            log.warning("reading cache stats from the workers failed: %s", e)
-        return self._stats
 
     # -- shutdown ----------------------------------------------------------------------
     async def stop(self, timeout_s: float = 10.0, start_task: Optional[asyncio.Task] = None) -> None:
@@ -191,6 +185,8 @@ class Engine:
         previous = self.state
         if previous is not State.FAILED:  # a failed start stays visible (exit code 1)
             self.state = State.STOPPING
+        if self.warmup is not None:  # a warm-up is cut short: the server is going away
+            self.warmup.kill()
         if start_task is not None and not start_task.done():
             log.info("stopping during start-up: waiting up to %.0f s for it", timeout_s)
             await asyncio.wait({start_task}, timeout=timeout_s)
@@ -201,22 +197,13 @@ class Engine:
         await asyncio.to_thread(client.shutdown, timeout_s)
 
 
-def connector_reports_stats() -> bool:
-    """Whether ``TieredKVConnector`` reports its tier counters through vLLM's connector
-    stats (``build_prom_metrics``), which vLLM then exposes on its own registry."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    from cache.vllm_connector import TieredKVConnector
-
-    ours = getattr(TieredKVConnector.build_prom_metrics, "__func__", None)
-    return ours is not getattr(KVConnectorBase_V1.build_prom_metrics, "__func__", None)
-
-
 def _build_async_llm(args):
     """``AsyncLLM`` from parsed ``vllm serve`` arguments. Blocks until the model is loaded."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
     usage = UsageContext.OPENAI_API_SERVER
@@ -227,18 +214,8 @@ def _build_async_llm(args):
         enable_log_requests=engine_args.enable_log_requests,
         aggregate_engine_logging=engine_args.aggregate_engine_logging,
         disable_log_stats=engine_args.disable_log_stats,
+        # Stats always reach Prometheus: with --disable-log-stats vLLM would keep none, and
+        # ``/metrics`` would lose vLLM's series and the connector's kvcache:tier_* (observed
+        # on this path). With this logger alone, only the stats log lines stay off.
+        stat_loggers=[PrometheusStatLogger] if engine_args.disable_log_stats else None,
     )
-
-
-def merge_worker_stats(per_rank: list[dict]) -> dict:
-    """Sum the ranks' counters (each rank stores its own shard of every chunk)."""
-    merged: dict = {"tiers": {}, "dropped_writes": 0}
-    for snap in per_rank:
-        if not snap:
-            continue
-        merged["dropped_writes"] += snap.get("dropped_writes", 0)
-        for tier, stats in snap.get("tiers", {}).items():
-            into = merged["tiers"].setdefault(tier, {})
-            for k, v in stats.items():
-                into[k] = into.get(k, 0) + v
-    return merged if merged["tiers"] else {}

@@ -1,16 +1,20 @@
-"""Our Prometheus metrics, next to vLLM's on ``GET /metrics``.
+"""Our Prometheus metrics, next to vLLM's on ``GET /metrics``: only what vLLM and the
+connector do not report themselves.
 
-Runs in the server process. Three sources, none of which blocks a request:
+Runs in the server process. Already on vLLM's registry, so not repeated here: prompt
+tokens by source (``vllm:prompt_tokens_by_source``: computed, vLLM's prefix cache, our
+connector), generated tokens, TTFT over all requests, and the cache's own counters per
+tier, which ``TieredKVConnector`` reports through vLLM's connector-stats pipeline
+(``kvcache:tier_hits_total``, ``kvcache:tier_tokens_loaded_total``,
+``kvcache:tier_used_bytes`` ... see ``cache/connector/metrics.py``).
+
+Ours, from two sources, neither of which blocks a request:
 - request outcomes, recorded on the event loop when a request finishes (``observe``):
-  prompt tokens by where their KV came from (vLLM's own prefix cache, each of our
-  tiers via the request's ``kv_transfer_params``, or computed), KV bytes per request,
-  time to first token by the slowest tier that served part of the prefix;
-- per-tier counters of the worker's store (hits, misses, bytes, load time ...), copied
-  from the worker by ``Engine.cache_stats`` before a scrape and rendered by a collector,
-  and tier usage read from each tier folder's shared ``.usage`` file. When the connector
-  reports these itself through vLLM's connector stats (``kvcache:tier_*`` on vLLM's
-  registry), ours stay quiet so nothing is counted twice;
-- on a GPU, the energy counters of NVML (``pynvml``), when it is importable.
+  requests and time to first token by the slowest tier that served part of the prefix
+  (from the request's ``kv_transfer_params``), KV bytes per request;
+- on a GPU, the energy counters of NVML (``pynvml``), when it is importable, read at
+  scrape time.
+Plus the SageMaker invocations by request shape and status, counted by ``serving.app``.
 
 A metric with no source is absent, never zero-filled: no energy metric without NVML.
 """
@@ -27,23 +31,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
-# Tier counters copied from the worker store (cache.store.TierStats field -> metric).
-TIER_COUNTERS = {
-    "hits": ("kvcache_tier_hits", "Chunks read from the tier"),
-    "misses": ("kvcache_tier_misses", "Chunk reads that found the chunk in no tier (counted on the top tier)"),
-    "bytes_read": ("kvcache_tier_read_bytes", "Bytes loaded from the tier"),
-    "bytes_written": ("kvcache_tier_written_bytes", "Bytes stored into the tier"),
-    "load_seconds": ("kvcache_tier_load_seconds", "Time spent reading and verifying chunks from the tier"),
-    "writes": ("kvcache_tier_writes", "Chunks stored into the tier"),
-    "evictions": ("kvcache_tier_evictions", "Chunks evicted from the tier"),
-    "demotions": ("kvcache_tier_demotions", "Evicted chunks handed down to the next tier"),
-    "promotions": ("kvcache_tier_promotions", "Chunks copied up into the tier after a hit below"),
-    "rejected": ("kvcache_tier_rejected", "Chunks the tier's admission policy or capacity refused"),
-    "corrupt": ("kvcache_tier_corrupt", "Damaged or foreign entries found and dropped"),
-    "errors": ("kvcache_tier_errors", "I/O errors of the tier"),
-}
-PREFIX_SOURCES = ("vllm", "computed")  # plus one per tier name
-
 
 @dataclass
 class RequestOutcome:
@@ -55,18 +42,9 @@ class RequestOutcome:
     loaded: Mapping[str, int] = field(default_factory=dict)  # tokens per tier of ours
     ttft_s: Optional[float] = None
 
-    @property
-    def from_tiers(self) -> int:
-        return sum(self.loaded.values())
-
-    def by_source(self) -> dict[str, int]:
-        ours = self.from_tiers
-        vllm_hit = max(0, self.cached_tokens - ours)
-        counts = {"vllm": vllm_hit, "computed": max(0, self.prompt_tokens - vllm_hit - ours)}
-        counts.update({k: int(v) for k, v in self.loaded.items()})
-        return counts
-
     def slowest_source(self, tier_order: tuple[str, ...]) -> str:
+        """The slowest of our tiers that served part of the prompt; else ``vllm`` (the
+        engine's own prefix cache) or ``none`` (all computed)."""
         for name in reversed(tier_order):
             if self.loaded.get(name):
                 return name
@@ -76,9 +54,8 @@ class RequestOutcome:
         return "vllm" if self.cached_tokens else "none"
 
 
-class _TierCollector:
-    """At scrape time: NVML energy, and, unless vLLM's registry already has them, the
-    last worker snapshot of tier counters and the tier folders' usage."""
+class _EnergyCollector:
+    """At scrape time: GPU energy from NVML, and per generated token."""
 
     def __init__(self, metrics: "ServingMetrics") -> None:
         self.m = metrics
@@ -87,31 +64,6 @@ class _TierCollector:
         return []
 
     def collect(self):
-        yield from self._energy()
-        if self.m.tier_metrics_elsewhere:
-            return
-        snap = self.m.worker_snapshot
-        if snap:
-            for key, (name, doc) in TIER_COUNTERS.items():
-                fam = CounterMetricFamily(name, doc, labels=["tier"])
-                for tier, stats in snap.get("tiers", {}).items():
-                    fam.add_metric([tier], float(stats.get(key, 0)))
-                yield fam
-            yield CounterMetricFamily("kvcache_dropped_writes", "Writes dropped because the "
-                                      "write-behind queue was full", value=snap.get("dropped_writes", 0))
-        usage = GaugeMetricFamily("kvcache_tier_usage_bytes", "Bytes held in the tier folder "
-                                  "(all engines sharing it)", labels=["tier"])
-        cap = GaugeMetricFamily("kvcache_tier_capacity_bytes", "Configured tier size", labels=["tier"])
-        for name, (capacity, reader) in self.m.tier_usage.items():
-            cap.add_metric([name], float(capacity))
-            try:
-                usage.add_metric([name], float(reader()))
-            except OSError as e:
-                log.debug("usage of tier %s unreadable: %s", name, e)
-        yield usage
-        yield cap
-
-    def _energy(self):
         energy = self.m.energy
         if energy is None:
             return
@@ -161,29 +113,20 @@ class NvmlEnergy:
 
 
 class ServingMetrics:
-    """Our metrics, in their own registry (rendered after vLLM's)."""
+    """Our metrics, in their own registry (rendered after vLLM's).
+
+    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``remote``), to
+    name the slowest tier that served a request.
+    """
 
     def __init__(self, kv_bytes_per_token: Optional[int], tier_order: tuple[str, ...] = (),
-                 tier_usage: Optional[Mapping[str, tuple[int, object]]] = None,
                  energy: Optional[NvmlEnergy] = None) -> None:
         self.registry = CollectorRegistry()
         self.kv_bytes_per_token = kv_bytes_per_token
         self.tier_order = tier_order
-        self.tier_usage = dict(tier_usage or {})   # name -> (capacity, callable returning used bytes)
         self.energy = energy
-        self.worker_snapshot: dict = {}
-        # Set when vLLM's registry already carries the tier metrics (kvcache:tier_*,
-        # from the connector's own stats): the tier collector then stays quiet.
-        self.tier_metrics_elsewhere = False
-        self.generated_total = 0
+        self.generated_total = 0          # for energy per token (vLLM counts them on its registry)
         r = self.registry
-        self.prefix_tokens = Counter(
-            "kvcache_prefix_tokens", "Prompt tokens by where their KV came from: vllm (the "
-            "engine's own prefix cache), a tier of ours (dram, disk, remote), or computed",
-            ["source"], registry=r)
-        for source in PREFIX_SOURCES + tier_order:
-            self.prefix_tokens.labels(source)
-        self.generated_tokens = Counter("kvcache_generated_tokens", "Tokens generated", registry=r)
         self.requests = Counter("kvcache_requests", "Finished requests by the slowest tier that "
                                 "served part of their prefix", ["prefix_source"], registry=r)
         self.request_kv_bytes = Histogram(
@@ -199,14 +142,10 @@ class ServingMetrics:
         self.in_flight = Gauge("sagemaker_invocations_in_flight", "Invocations being served", registry=r)
         self.invocations = Counter("sagemaker_invocations", "Invocations by request shape and "
                                    "HTTP status", ["shape", "status"], registry=r)
-        r.register(_TierCollector(self))
+        r.register(_EnergyCollector(self))
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Record one finished request. Event loop; microseconds."""
-        for source, n in outcome.by_source().items():
-            if n:
-                self.prefix_tokens.labels(source).inc(n)
-        self.generated_tokens.inc(outcome.generated_tokens)
         self.generated_total += outcome.generated_tokens
         slowest = outcome.slowest_source(self.tier_order)
         self.requests.labels(slowest).inc()

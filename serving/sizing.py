@@ -65,6 +65,7 @@ class TierPlan:
         }
         if c.remote_url:
             extra["kvcache_remote_url"] = c.remote_url
+            extra["kvcache_shared_admission"] = c.shared_admission
         if c.curvine_conf:
             extra["kvcache_curvine_conf"] = c.curvine_conf
         return extra
@@ -96,7 +97,8 @@ class TierPlan:
         lines.append(row("L1 DRAM", c.cpu_path, c.cpu_bytes))
         lines.append(row("L2 disk", c.disk_path, c.disk_bytes))
         lines.append(f"  {'L3 remote':<9} {(c.remote_url or 'off'):<34} "
-                     f"{'shared' if c.remote_url else '':>11}")
+                     f"{'shared' if c.remote_url else '':>11}"
+                     + (f"  publishes: {c.shared_admission}" if c.remote_url else ""))
         lines.append(f"  chunks of {c.chunk_tokens} tokens, policy {c.policy}, "
                      f"{c.io_threads} I/O threads"
                      + (", entries signed" if c.signing_key else ""))

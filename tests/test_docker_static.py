@@ -75,17 +75,38 @@ def test_sagemaker_contract(path):
     assert "COPY" in words and "pip install -e" not in runs  # installs only via install.sh
 
 
-def test_gpu_image_builds_and_bundles_the_curvine_sdk():
-    ins = instructions(DOCKERFILES[0])
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_image_builds_and_bundles_the_curvine_sdk(path):
+    """Both images build the SDK in a builder stage on their own base (same Python and
+    glibc as the wheel's user) and install the wheel through install.sh."""
+    ins = instructions(path)
     text = " ".join(f"{w} {r}" for w, r in ins)
     froms = [r for w, r in ins if w == "FROM"]
     assert len(froms) == 2 and froms[0].upper().endswith("AS CURVINE-BUILDER")
+    assert froms[0].split()[0] == froms[1].split()[0]  # the builder's base is the final image's
     args = dict(r.split("=", 1) for w, r in ins if w == "ARG" and "=" in r)
     assert re.fullmatch(r"v\d+\.\d+\.\d+", args["CURVINE_VERSION"])
-    assert re.fullmatch(r"vllm/vllm-openai:v0\.32\.\d+", args["VLLM_IMAGE"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["RUST_VERSION"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["MATURIN_VERSION"])
     assert "--branch \"${CURVINE_VERSION}\"" in text and "maturin build" in text
     assert "rustup" in text and "protoc" in text
     assert "COPY --from=curvine-builder /wheels" in text and "CURVINE_WHEEL=" in text
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    install = [r for w, r in final if w == "RUN" and "docker/install.sh" in r]
+    assert install and 'CURVINE_WHEEL="$(ls /opt/wheels/curvine/*.whl)"' in install[0]
+
+
+def test_image_bases_and_curvine_release_agree():
+    gpu, cpu = (dict(r.split("=", 1) for w, r in instructions(p) if w == "ARG" and "=" in r)
+                for p in DOCKERFILES)
+    assert re.fullmatch(r"vllm/vllm-openai:v0\.32\.\d+", gpu["VLLM_IMAGE"])
+    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-\w+", cpu["PYTHON_IMAGE"])
+    for name in ("CURVINE_VERSION", "RUST_VERSION", "MATURIN_VERSION"):
+        assert gpu[name] == cpu[name], name
+    # The compose cluster runs the Curvine release both images build their SDK from.
+    compose = yaml.safe_load((REPO / "docker" / "compose.curvine.yml").read_text())
+    assert compose["x-curvine"]["image"].endswith(":" + gpu["CURVINE_VERSION"])
+    assert compose["services"]["kvcache"]["build"]["dockerfile"] == "docker/Dockerfile.cpu"
 
 
 def test_entrypoint_is_executable_and_execs():

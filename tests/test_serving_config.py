@@ -147,7 +147,8 @@ def test_connector_config_carries_resolved_sizes_not_the_secret(env):
     assert "s3cret" not in " ".join(cfg.engine.vllm_args) and "s3cret" not in cfg.describe()
     # The connector, which parses the same keys, gets the same answer as the plan.
     assert build_cache_config({}, extra).cpu_bytes == cfg.plan.cache.cpu_bytes
-    assert args_of(cfg)["--worker-extension-cls"] == "serving.worker_stats.CacheStatsExtension"
+    # Tier counters reach /metrics through the connector's own stats: no worker extension.
+    assert "--worker-extension-cls" not in args_of(cfg)
 
 
 def test_cache_off(env):
@@ -157,6 +158,55 @@ def test_cache_off(env):
                                CPU_BOX)
     assert own.plan is None and args_of(own)["--kv-transfer-config"].startswith('{"kv_connector":"X"')
     assert any("SM_VLLM_KV_TRANSFER_CONFIG" in n for n in own.notes)
+
+
+# -- shared tier admission, pre-warming ----------------------------------------------
+def test_shared_admission_one_setting_passed_to_the_connector(env, tmp_path):
+    l3 = {**env, "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3"}
+    assert build_cache_config(l3).shared_admission == "reused"  # the default
+    cfg = build_serving_config({**l3, "KVCACHE_SHARED_ADMISSION": "all"}, CPU_BOX)
+    assert cfg.plan.cache.shared_admission == "all"
+    assert connector_extra(cfg)["kvcache_shared_admission"] == "all"
+    assert build_cache_config({}, connector_extra(cfg)).shared_admission == "all"  # the connector agrees
+    assert "publishes: all" in cfg.describe()
+    assert build_cache_config({}, {"kvcache_shared_admission": "none"}).shared_admission == "none"
+    with pytest.raises(ConfigError, match="KVCACHE_SHARED_ADMISSION='sometimes' is unknown; "
+                                          "choose one of reused, all, none"):
+        build_serving_config({**l3, "KVCACHE_SHARED_ADMISSION": "sometimes"}, CPU_BOX)
+
+
+@pytest.fixture
+def warm_env(env, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "You are a helpful assistant."}\n\n'
+                       '{"prompt_token_ids": [1, 2, 3]}\n'
+                       '{"messages": [{"role": "system", "content": "Be brief."}]}\n')
+    return {**env, "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3", "KVCACHE_WARM_PROMPTS": str(prompts)}
+
+
+def test_warm_prompts_checked_at_configuration(warm_env, tmp_path):
+    cfg = build_serving_config(warm_env, CPU_BOX)
+    assert cfg.engine.warm_prompts == warm_env["KVCACHE_WARM_PROMPTS"]
+    assert "warm-up before serving" in cfg.describe()
+    assert build_serving_config({**warm_env, "KVCACHE_WARM_PROMPTS": ""}, CPU_BOX).engine.warm_prompts is None
+    bad = tmp_path / "bad.jsonl"
+    for text, words in [('{"prompt": "x"}\n{"text": "y"}\n', "line 2: each line must be a JSON object"),
+                        ("not json\n", "line 1: not JSON"), ("\n\n", "holds no prompts"),
+                        ('["prompt"]\n', "line 1: each line")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=f"KVCACHE_WARM_PROMPTS='{bad}'.*{words}"):
+            build_serving_config({**warm_env, "KVCACHE_WARM_PROMPTS": str(bad)}, CPU_BOX)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"KVCACHE_WARM_PROMPTS": "/no/such/prompts.jsonl"}, "cannot be read"),
+    ({"KVCACHE_REMOTE_URL": ""}, "set KVCACHE_REMOTE_URL"),
+    ({"KVCACHE_SHARED_ADMISSION": "none"}, "KVCACHE_SHARED_ADMISSION=none publishes nothing"),
+    ({"KVCACHE_ENABLED": "false"}, "needs the tiered cache"),
+])
+def test_warm_prompts_that_cannot_work_are_config_errors(warm_env, change, words):
+    with pytest.raises(ConfigError, match=f"KVCACHE_WARM_PROMPTS=.*{words}"):
+        build_serving_config({**warm_env, **change}, CPU_BOX)
 
 
 def test_engine_cpu_kv_pool_default_only_without_gpu(env):
@@ -256,3 +306,17 @@ def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
     with pytest.raises(ConfigError, match="no-such-flag"):
         parse_engine_args(unknown.engine)
     assert shlex.join(cfg.engine.vllm_args)  # printable as a command line
+
+
+def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
+    from serving.engine import parse_engine_args
+    from serving.warmup import warm_arguments
+
+    cfg = build_serving_config({**warm_env, "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
+                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
+    model, cache, engine_args = warm_arguments(parse_engine_args(cfg.engine))
+    assert model == warm_env["HF_MODEL_ID"] and cache == connector_extra(cfg)
+    assert engine_args["max_model_len"] == 4096 and engine_args["enforce_eager"] is True
+    assert engine_args["served_model_name"] == [warm_env["HF_MODEL_ID"]]
+    # warm() sets these itself (its connector, prefix caching on); vllm.LLM takes the rest
+    assert not {"model", "kv_transfer_config", "enable_prefix_caching"} & set(engine_args)

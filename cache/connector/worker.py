@@ -45,7 +45,8 @@ class WorkerSide:
         self._stats = StatsDelta()
         tiers = make_tiers(config, namespace.id)
         self.store = TieredStore(tiers, namespace.digest, [make_policy(config.policy) for _ in tiers],
-                                 signing_key=config.signing_key.encode(), io_threads=config.io_threads)
+                                 signing_key=config.signing_key.encode(), io_threads=config.io_threads,
+                                 shared_admission=config.shared_admission)
         self.copier: Optional[BlockCopier] = None
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
