@@ -62,7 +62,7 @@ class EndpointSpec:
 
 
 def environment(spec: EndpointSpec) -> dict[str, str]:
-    """The container's environment: model, engine and tier settings (see docs/serving.md)."""
+    """The container's environment: model, engine and tier settings (see README.md)."""
     env: dict[str, str] = {}
     if spec.hf_model_id:
         env["HF_MODEL_ID"] = spec.hf_model_id
