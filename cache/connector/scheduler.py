@@ -70,6 +70,8 @@ class SchedulerSide:
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
         self.views = [TieredStore(make_tiers(config, ns.id), ns.digest) for ns in namespaces]
+        for view in self.views:  # the shared tier starts listing what it holds now, not at
+            view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
         self.lookup_wait = min(config.remote_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.remote_url else 0.0
         self.requests: dict[str, RequestState] = {}
