@@ -1,0 +1,644 @@
+"""TTFT of a repeated prompt, served by each cache tier, against its physical floor.
+
+    .venv/bin/python -m bench.bench_ttft [--sizes 1024,4096,8192] [--repeats 3]
+                                         [--quick] [--skip-lmcache]
+
+Runs in one parent process that starts one vLLM engine subprocess at a time
+(``bench.ttft_engine``), plus LMCache's server when LMCache is measured, and writes
+``bench/results/ttft.json`` and ``bench/results/ttft.md`` (also printed). For every
+prompt size (random token ids, distinct per size, scenario and run) it measures the
+median TTFT (``LLM.generate``, ``max_tokens=1``) of:
+
+  cold            no cache anywhere (our connector on, nothing stored yet)
+  l0              vLLM's own prefix cache (same prompt again)
+  ours-dram       vLLM prefix cache reset, our DRAM tier serves the prompt
+  ours-disk       DRAM tier off, our disk tier serves it, page cache dropped first
+  lmcache-dram    LMCache (multiprocess connector, own server) L1 hit
+  lmcache-disk    fresh LMCache server and engine, L1 empty, fs L2 populated, page cache dropped
+  example-warm    vLLM's ExampleConnector, its safetensors files in the page cache
+  example-disk    the same, page cache dropped
+
+Floors: ``dram floor = l0 + KV bytes / memcpy bandwidth`` and ``disk floor = l0 + KV
+bytes / cold-read bandwidth``, where the KV bytes are those of the tokens a hit can
+load (the prompt less its last, partial block, which every hit recomputes, as l0 does).
+Then the throughput of a no-reuse batch with and without our connector (two engines
+alive at once, rounds alternated).
+
+See bench/README.md for what each row means and the acceptance targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench import pagecache, peers  # noqa: E402
+from bench.ttft_engine import EngineProcess  # noqa: E402
+
+# 12 layers x 768 (bf16) took 153 s for one cold 4K prefill on this 2-core AVX2 machine
+# (no AVX-512/bf16), so the benchmark model is scaled down to keep one cold 8K prefill
+# near 25 s, in float32 (several times faster than bf16 here). Multi-head attention
+# (kv_heads == heads) keeps the KV large for the compute: 18 KiB per token.
+MODEL_SHAPE = dict(layers=6, hidden=384, heads=6, kv_heads=6, intermediate=1024, max_positions=16384)
+DTYPE = "float32"
+BLOCK = 128        # vLLM's block size on the CPU
+LMCACHE_CHUNK = 256
+SETTLE_S = 0.3     # idle time before each timed request (write-behind of the last one lands)
+
+TARGETS = {
+    "dram_vs_l0": 1.3,          # ours-dram <= 1.3 x l0
+    "disk_vs_floor": 1.3,       # ours-disk <= 1.3 x disk floor
+    "throughput": 0.97,         # no-reuse throughput with connector >= 0.97 x without
+}
+
+
+@dataclass
+class Row:
+    scenario: str
+    size: int
+    samples_s: list = field(default_factory=list)
+    hit_tokens: list = field(default_factory=list)
+    detail: list = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def median_ms(self) -> Optional[float]:
+        return statistics.median(self.samples_s) * 1e3 if self.samples_s else None
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.sizes = args.sizes
+        self.repeats = args.repeats          # samples that each need a cold prefill
+        self.hit_repeats = args.hit_repeats  # samples of a hit (cheap)
+        self.salt = args.salt
+        self.work = args.workdir
+        self.shm = args.shmdir
+        self.logs = os.path.join(self.work, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        os.makedirs(self.shm, exist_ok=True)
+        self.rows: dict[tuple[str, int], Row] = {}
+        self.errors: list[str] = []
+        self.timings: dict[str, float] = {}
+        self.checks: list[dict] = []
+        self.bandwidth: dict = {}
+        self.bytes_per_token = self.bytes_per_token_of(args.shape)
+        self.max_model_len = max(self.sizes) + 256
+        self.engine_env = {**peers.ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
+
+    # -- helpers ---------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token_of(shape: dict) -> int:
+        """KV bytes per token: layers x (K, V) x kv_heads x head_dim x 4 (float32)."""
+        return shape["layers"] * 2 * shape["kv_heads"] * (shape["hidden"] // shape["heads"]) * 4
+
+    def prompt(self, tag: str, size: int, i: int = 0) -> list[int]:
+        rng = random.Random(f"{self.salt}/{tag}/{size}/{i}")
+        return [rng.randrange(256) for _ in range(size)]
+
+    @staticmethod
+    def loadable(size: int, unit: int = BLOCK) -> int:
+        """Tokens a hit can load: the prompt less its last token, in whole units."""
+        return (size - 1) // unit * unit
+
+    def row(self, scenario: str, size: int) -> Row:
+        return self.rows.setdefault((scenario, size), Row(scenario, size))
+
+    def engine(self, name: str, kv_transfer: Optional[dict], wait: bool = True) -> EngineProcess:
+        spec = {"model": self.args.model_path, "dtype": DTYPE, "max_model_len": self.max_model_len,
+                "kv_transfer": kv_transfer}
+        log(f"[{name}] starting engine")
+        e = EngineProcess(spec, os.path.join(self.logs, f"{name}.log"), env=self.engine_env, wait=wait)
+        if not wait:
+            return e
+        self.timings[f"start:{name}"] = e.start_seconds
+        log(f"[{name}] engine up in {e.start_seconds:.0f}s")
+        return e
+
+    def ttft(self, e: EngineProcess, prompt: list[int], reset: bool) -> dict:
+        time.sleep(SETTLE_S)
+        return e.call(op="ttft", prompt=prompt, reset=reset)
+
+    def record(self, scenario: str, size: int, r: dict, hit: int, **detail) -> None:
+        row = self.row(scenario, size)
+        row.samples_s.append(r["seconds"])
+        row.hit_tokens.append(hit)
+        row.detail.append({k: v for k, v in {**detail, "kv_transfer_params": r.get("kv_transfer_params"),
+                                             "loadavg_1m": round(os.getloadavg()[0], 2)}.items() if v is not None})
+        log(f"  {scenario:13s} {size:6d}  {r['seconds'] * 1e3:9.1f} ms  hit {hit}")
+
+    @staticmethod
+    def ours_loaded(r: dict, tier: str, want: int) -> int:
+        """Tokens our connector loaded from ``tier``; fails loudly if it served anything else."""
+        got = (r.get("kv_transfer_params") or {}).get("kvcache_loaded_tokens") or {}
+        if got != {tier: want}:
+            raise AssertionError(f"expected a {tier} hit of {want} tokens, got kv_transfer_params="
+                                 f"{r.get('kv_transfer_params')} (num_cached_tokens={r['num_cached_tokens']})")
+        return want
+
+    @staticmethod
+    def peer_hit(r: dict, want: int, who: str) -> int:
+        got = r["num_cached_tokens"]
+        if got < want:
+            raise AssertionError(f"{who}: expected at least {want} cached tokens, got {got}")
+        return got
+
+    def drop(self, folder: str, scenario: str, size: int) -> None:
+        """Drop ``folder`` from the page cache and check it; pages still being written
+        back cannot be dropped, so retry for a few seconds before failing."""
+        for attempt in range(20):
+            check = pagecache.drop_checked(folder)
+            if check["resident_after"] <= 0.01 * max(check["bytes"], 1):
+                break
+            time.sleep(0.5)
+        self.checks.append({"scenario": scenario, "size": size, "attempts": attempt + 1, **check})
+        if check["resident_after"] > 0.01 * max(check["bytes"], 1):
+            raise AssertionError(f"{scenario}: {check['resident_after']:,} of {check['bytes']:,} bytes "
+                                 f"still in the page cache after dropping {folder}")
+
+    @staticmethod
+    def wait_stable(folder: str, min_bytes: int = 0, quiet_s: float = 1.0, timeout: float = 120) -> int:
+        """Wait until ``folder`` holds at least ``min_bytes`` and stops changing (write-behind done)."""
+        deadline = time.monotonic() + timeout
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            files = pagecache.files_under(folder)
+            state = []
+            for f in files:
+                try:
+                    state.append((f, os.stat(f).st_size))
+                except FileNotFoundError:
+                    pass
+            total = sum(s for _, s in state)
+            busy = any(".tmp" in f for f, _ in state)
+            if state != last or busy or total < min_bytes:
+                last, since = state, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return total
+            time.sleep(0.2)
+        raise TimeoutError(f"{folder} did not settle with >= {min_bytes:,} bytes")
+
+    def scenario(self, name: str, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # keep measuring the rest; the run still fails at the end
+            msg = f"{name}: {type(e).__name__}: {e}"
+            self.errors.append(msg)
+            log("FAILED " + msg)
+            traceback.print_exc()
+            for row_name in self.ROWS_OF.get(name, []):
+                for size in self.sizes:
+                    row = self.row(row_name, size)
+                    if len(row.samples_s) < self.repeats:
+                        row.error = msg
+        self.timings[name] = time.perf_counter() - t0
+
+    # -- scenarios -------------------------------------------------------------
+    def run_ours_dram(self) -> None:
+        """cold, l0 and ours-dram in one engine: DRAM tier only, prefix caching on."""
+        kv = peers.ours(os.path.join(self.shm, "ours-dram"), self.args.dram_size,
+                        os.path.join(self.work, "ours-dram-nodisk"), "0")
+        with self.engine("ours-dram", kv) as e:
+            for size in self.sizes:  # warm-up: each path once per size
+                w = self.prompt("ours-dram-warm", size)
+                self.ttft(e, w, reset=False)
+                self.ttft(e, w, reset=False)
+                self.ours_loaded(self.ttft(e, w, reset=True), "dram", self.loadable(size))
+            for size in self.sizes:
+                prompts = [self.prompt("ours-cold", size, i) for i in range(self.repeats)]
+                for p in prompts:
+                    self.row("cold", size)
+                    r = self.ttft(e, p, reset=False)
+                    self.record("cold", size, r, r["num_cached_tokens"])
+                    if r["num_cached_tokens"]:
+                        raise AssertionError(f"cold prompt hit {r['num_cached_tokens']} tokens")
+                # Alternate the two rows compared by the DRAM target, so drift in the
+                # machine's load hits both alike: DRAM hit (prefix cache reset), then the
+                # same prompt again, now in vLLM's prefix cache (l0).
+                for i in range(self.hit_repeats):
+                    p = prompts[i % len(prompts)]
+                    r = self.ttft(e, p, reset=True)
+                    self.record("ours-dram", size, r, self.ours_loaded(r, "dram", self.loadable(size)))
+                    r = self.ttft(e, p, reset=False)
+                    self.record("l0", size, r, self.peer_hit(r, self.loadable(size), "l0"))
+                    if r.get("kv_transfer_params"):
+                        raise AssertionError(f"l0 hit also loaded from our tiers: {r['kv_transfer_params']}")
+
+    def run_ours_disk(self) -> None:
+        """ours-disk, each sample followed by the same prompt from vLLM's prefix cache
+        ("l0 (disk engine)"): the disk floor is built on that paired l0."""
+        disk = os.path.join(self.work, "ours-disk")
+        kv = peers.ours(os.path.join(self.shm, "ours-disk-nodram"), "0", disk, self.args.disk_size)
+        with self.engine("ours-disk", kv) as e:
+            for size in self.sizes:
+                p = self.prompt("ours-disk", size)
+                self.ttft(e, p, reset=False)  # populate the disk tier (and warm up this size)
+                self.wait_stable(disk)
+                for i in range(1 + self.hit_repeats):  # the first pair is a warm-up
+                    self.drop(disk, "ours-disk", size)
+                    r = self.ttft(e, p, reset=True)
+                    hit = self.ours_loaded(r, "disk", self.loadable(size))
+                    r0 = self.ttft(e, p, reset=False)
+                    hit0 = self.peer_hit(r0, self.loadable(size), "l0 (disk engine)")
+                    if i:
+                        self.record("ours-disk", size, r, hit, resident_after_drop=self.checks[-1]["resident_after"])
+                        self.record("l0 (disk engine)", size, r0, hit0)
+
+    def run_lmcache(self) -> None:
+        """lmcache-dram against its first server; lmcache-disk against a fresh server
+        (empty L1) over the same L2 folder, from a fresh engine, page cache dropped."""
+        l2 = os.path.join(self.work, "lmcache-l2")
+        want = lambda size: self.loadable(size, LMCACHE_CHUNK)  # noqa: E731
+        warm = self.prompt("lmcache-warm", min(self.sizes))
+        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-1.log"),
+                                     self.args.lmcache_l1_gb, l2)
+        try:
+            with self.engine("lmcache-dram", peers.lmcache(server.port)) as e:
+                self.ttft(e, warm, reset=False)
+                time.sleep(1.0)  # its store is asynchronous
+                self.peer_hit(self.ttft(e, warm, reset=True), want(min(self.sizes)), "lmcache warm-up")
+                for size in self.sizes:
+                    prompts = [self.prompt("lmcache", size, i) for i in range(self.repeats)]
+                    for p in prompts:
+                        r = self.ttft(e, p, reset=False)  # populate L1 (and L2 behind it)
+                        self.row("lmcache-cold", size)
+                        self.record("lmcache-cold", size, r, r["num_cached_tokens"])
+                    time.sleep(1.0)
+                    for i in range(1 + self.hit_repeats):  # the first hit is a warm-up
+                        r = self.ttft(e, prompts[i % len(prompts)], reset=True)
+                        hit = self.peer_hit(r, want(size), "lmcache-dram")
+                        if i:
+                            self.record("lmcache-dram", size, r, hit)
+            l2_bytes = self.wait_stable(l2, quiet_s=3.0)
+            log(f"[lmcache] L2 holds {l2_bytes:,} bytes in {len(pagecache.files_under(l2))} files")
+        finally:
+            server.stop()
+        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-2.log"),
+                                     self.args.lmcache_l1_gb, l2)
+        try:
+            with self.engine("lmcache-disk", peers.lmcache(server.port)) as e:
+                # Warm-up: a cold request, then one disk hit. (Every LMCache hit here
+                # recomputes one token whatever the size, so one warm-up covers all sizes.)
+                self.ttft(e, self.prompt("lmcache-disk-warm-cold", min(self.sizes)), reset=False)
+                self.wait_stable(l2, quiet_s=2.0)  # its write-behind to L2
+                self.drop(l2, "lmcache-disk-warmup", min(self.sizes))
+                self.peer_hit(self.ttft(e, warm, reset=True), want(min(self.sizes)), "lmcache-disk warm-up")
+                for size in self.sizes:
+                    for i in range(self.repeats):  # each prompt once: a hit promotes it to L1
+                        self.drop(l2, "lmcache-disk", size)
+                        r = self.ttft(e, self.prompt("lmcache", size, i), reset=True)
+                        self.record("lmcache-disk", size, r, self.peer_hit(r, want(size), "lmcache-disk"),
+                                    resident_after_drop=self.checks[-1]["resident_after"])
+        finally:
+            server.stop()
+
+    def run_example(self) -> None:
+        store = os.path.join(self.work, "example")
+        os.makedirs(store, exist_ok=True)
+        with self.engine("example", peers.example(store)) as e:
+            for size in self.sizes:
+                p = self.prompt("example", size)
+                self.ttft(e, p, reset=False)  # populate (saved synchronously, layer by layer)
+                self.peer_hit(self.ttft(e, p, reset=True), self.loadable(size), "example warm-up")
+                # Each sample followed by the same prompt from vLLM's prefix cache
+                # ("l0 (example engine)"), as ours are: the hit's cost over l0 in its engine.
+                for row in ("example-warm", "example-disk"):
+                    for _ in range(self.hit_repeats):
+                        if row == "example-disk":
+                            self.drop(store, row, size)
+                        r = self.ttft(e, p, reset=True)
+                        self.record(row, size, r, self.peer_hit(r, self.loadable(size), row),
+                                    resident_after_drop=self.checks[-1]["resident_after"] if row == "example-disk" else None)
+                        r0 = self.ttft(e, p, reset=False)
+                        self.record("l0 (example engine)", size, r0, self.peer_hit(r0, self.loadable(size), "l0 (example engine)"))
+
+    def run_throughput(self) -> None:
+        """No reuse: a batch of distinct prompts, with and without our connector, alternated."""
+        a = self.args
+        kv = peers.ours(os.path.join(self.shm, "tput"), a.tput_dram_size,
+                        os.path.join(self.work, "tput-disk"), a.disk_size)
+        engines = {}
+        try:
+            # Both start at once (nothing is timed yet); then they take turns.
+            engines["without"] = self.engine("tput-without", None, wait=False)
+            engines["with"] = self.engine("tput-with", kv, wait=False)
+            for name, e in engines.items():
+                e.wait_ready()
+                self.timings[f"start:tput-{name}"] = e.start_seconds
+            batch = lambda tag, r: [self.prompt(f"tput-{tag}-{r}", a.tput_len, i)  # noqa: E731
+                                    for i in range(a.tput_prompts)]
+            for name, e in engines.items():  # warm-up: one whole batch each, untimed
+                e.call(op="batch", prompts=batch(f"warm-{name}", 0), max_tokens=a.tput_max_tokens)
+            self.tput = {"without": [], "with": []}
+            for rnd in range(a.tput_rounds):
+                order = ["without", "with"] if rnd % 2 == 0 else ["with", "without"]
+                for name in order:
+                    time.sleep(2.0)  # the other engine's write-behind is done
+                    r = engines[name].call(op="batch", prompts=batch(name, rnd + 1), max_tokens=a.tput_max_tokens)
+                    tps = (r["prompt_tokens"] + r["output_tokens"]) / r["seconds"]
+                    self.tput[name].append({**r, "tokens_per_s": tps})
+                    log(f"  throughput {name:8s} round {rnd}: {r['seconds']:.2f}s  {tps:,.0f} tok/s")
+        finally:
+            for e in engines.values():
+                e.close()
+
+    # -- floors ------------------------------------------------------------------
+    def measure_floors(self) -> None:
+        self.bandwidth = {}
+        for size in self.sizes:
+            nbytes = self.loadable(size) * self.bytes_per_token
+            self.bandwidth[size] = {
+                "kv_bytes": nbytes,
+                "dram": pagecache.dram_bandwidth(nbytes),
+                "disk": pagecache.disk_bandwidth(nbytes, os.path.join(self.work, "bandwidth")),
+            }
+            b = self.bandwidth[size]
+            log(f"  {size:6d} tokens: KV {nbytes / 2**20:7.1f} MiB  memcpy {b['dram']['best'] / 1e9:5.2f} GB/s"
+                f"  cold read {b['disk']['bytes_per_s'] / 1e9:5.2f} GB/s")
+
+    # -- report ------------------------------------------------------------------
+    def l0_for(self, kind: Optional[str], size: int) -> Optional[Row]:
+        for name in (("l0 (disk engine)", "l0") if kind == "disk" else ("l0",)):
+            row = self.rows.get((name, size))
+            if row is not None and row.median_ms is not None:
+                return row
+        return None
+
+    def floor_ms(self, kind: str, size: int) -> Optional[float]:
+        """One floor per tier and size: the l0 hit measured alongside that tier's hits
+        in our engine (l0 for DRAM, "l0 (disk engine)" for disk) plus the copy/read time."""
+        l0 = self.l0_for(kind, size)
+        if l0 is None:
+            return None
+        b = self.bandwidth[size]
+        bw = b["dram"]["best"] if kind == "dram" else b["disk"]["bytes_per_s"]
+        return l0.median_ms + b["kv_bytes"] / bw * 1e3
+
+    ROWS_OF = {"ours-dram": ["cold", "l0", "ours-dram"], "ours-disk": ["ours-disk", "l0 (disk engine)"],
+               "lmcache": ["lmcache-dram", "lmcache-disk"],
+               "example": ["example-warm", "example-disk", "l0 (example engine)"]}
+    # The l0 measured alternately with each hit row, in the same engine.
+    PAIRED_L0 = {"ours-dram": "l0", "ours-disk": "l0 (disk engine)",
+                 "example-warm": "l0 (example engine)", "example-disk": "l0 (example engine)"}
+    FLOOR_KIND = {"ours-dram": "dram", "lmcache-dram": "dram", "example-warm": "dram",
+                  "ours-disk": "disk", "lmcache-disk": "disk", "example-disk": "disk"}
+    ORDER = ["cold", "l0", "ours-dram", "lmcache-dram", "l0 (example engine)", "example-warm",
+             "l0 (disk engine)", "ours-disk", "lmcache-disk", "example-disk", "lmcache-cold"]
+
+    def ratio(self, a: str, b: str, size: int) -> Optional[float]:
+        ra, rb = self.rows.get((a, size)), self.rows.get((b, size))
+        if not ra or not rb or ra.median_ms is None or rb.median_ms is None:
+            return None
+        return ra.median_ms / rb.median_ms
+
+    def summary(self) -> dict:
+        table = []
+        for size in self.sizes:
+            for name in self.ORDER:
+                row = self.rows.get((name, size))
+                if row is None:
+                    continue
+                kind = self.FLOOR_KIND.get(name)
+                floor = self.floor_ms(kind, size) if kind else None
+                med = row.median_ms
+                l0 = self.l0_for(kind, size)
+                table.append({
+                    "scenario": name, "size": size, "median_ms": med,
+                    "samples_ms": [s * 1e3 for s in row.samples_s], "hit_tokens": row.hit_tokens,
+                    "floor_kind": kind, "floor_ms": floor,
+                    "vs_floor": med / floor if med and floor else None,
+                    "vs_l0": med / l0.median_ms if med and l0 and l0.median_ms else None,
+                    "over_paired_l0_ms": self.over_paired(name, size),
+                    "error": row.error, "detail": row.detail,
+                })
+        targets = []
+        for size in self.sizes:
+            checks = [
+                ("ours-dram / l0", self.ratio("ours-dram", "l0", size), TARGETS["dram_vs_l0"]),
+                ("ours-disk / disk floor", self._vs_floor("ours-disk", size), TARGETS["disk_vs_floor"]),
+                ("ours-dram / lmcache-dram", self.ratio("ours-dram", "lmcache-dram", size), 1.0),
+                ("ours-disk / lmcache-disk", self.ratio("ours-disk", "lmcache-disk", size), 1.0),
+                ("ours-dram / example-warm", self.ratio("ours-dram", "example-warm", size), 1.0),
+                ("ours-disk / example-disk", self.ratio("ours-disk", "example-disk", size), 1.0),
+                ("ours-dram / example-warm, each over its paired l0",
+                 self._over_ratio("ours-dram", "example-warm", size), None),
+                ("ours-disk / example-disk, each over its paired l0",
+                 self._over_ratio("ours-disk", "example-disk", size), None),
+                ("ours-dram / cold", self.ratio("ours-dram", "cold", size), None),
+                ("ours-disk / cold", self.ratio("ours-disk", "cold", size), None),
+            ]
+            for name, value, limit in checks:
+                ok = None if value is None or limit is None else (value <= limit if limit != 1.0 else value < 1.0)
+                targets.append({"size": size, "ratio": name, "value": value, "target": limit, "met": ok})
+        tput = getattr(self, "tput", None)
+        tput_summary = None
+        if tput and tput["with"] and tput["without"]:
+            w = statistics.median(x["tokens_per_s"] for x in tput["with"])
+            wo = statistics.median(x["tokens_per_s"] for x in tput["without"])
+            tput_summary = {"with_tokens_per_s": w, "without_tokens_per_s": wo, "ratio": w / wo,
+                            "target": TARGETS["throughput"], "met": w / wo >= TARGETS["throughput"],
+                            "rounds": tput}
+        return {"table": table, "targets": targets, "throughput": tput_summary}
+
+    def _over_ratio(self, a: str, b: str, size: int) -> Optional[float]:
+        oa, ob = self.over_paired(a, size), self.over_paired(b, size)
+        return oa / ob if oa is not None and ob is not None and ob > 0 else None
+
+    def over_paired(self, name: str, size: int) -> Optional[float]:
+        """Median TTFT minus the median of the l0 measured alternately with it."""
+        row, l0 = self.rows.get((name, size)), self.rows.get((self.PAIRED_L0.get(name, ""), size))
+        if not row or not l0 or row.median_ms is None or l0.median_ms is None:
+            return None
+        return row.median_ms - l0.median_ms
+
+    def _vs_floor(self, name: str, size: int) -> Optional[float]:
+        row = self.rows.get((name, size))
+        floor = self.floor_ms(self.FLOOR_KIND[name], size)
+        return row.median_ms / floor if row and row.median_ms and floor else None
+
+
+def fmt(x, spec=".1f", none="–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    s = result["summary"]
+    lines = [
+        "# TTFT by cache tier",
+        "",
+        f"Model: random-weight Llama, {cfg['shape']}, {cfg['dtype']}, "
+        f"{cfg['bytes_per_token']:,} KV bytes/token; vLLM CPU {cfg['vllm']}, block {BLOCK}, "
+        f"chunk 256. Median of {cfg['repeats']} samples (cold, lmcache-disk) or {cfg['hit_repeats']} (other hits); "
+        f"TTFT = `LLM.generate`, max_tokens=1. "
+        f"Machine: {cfg['machine']}. Run took {result['wall_s'] / 60:.1f} min.",
+        "",
+        "TTFT / l0: against the l0 row of the same tier's engine (l0 for DRAM rows, "
+        "l0 (disk engine) for disk rows); hit tokens: tokens not recomputed (vLLM's num_cached_tokens); "
+        "over paired l0: median TTFT minus the median of the l0 hits measured alternately with it "
+        "in the same engine (what the connector adds over vLLM's own prefix cache).",
+        "",
+        "| scenario | prompt tokens | median TTFT ms | min–max ms | hit tokens | floor ms | TTFT / floor | TTFT / l0 | over paired l0 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in s["table"]:
+        if r["error"] and r["median_ms"] is None:
+            lines.append(f"| {r['scenario']} | {r['size']} | FAILED: {r['error'][:80]} | | | | | | |")
+            continue
+        samples = r["samples_ms"]
+        lines.append(
+            f"| {r['scenario']} | {r['size']} | {fmt(r['median_ms'])} | "
+            f"{fmt(min(samples) if samples else None)}–{fmt(max(samples) if samples else None)} | "
+            f"{min(r['hit_tokens']) if r['hit_tokens'] else '–'} | "
+            f"{fmt(r['floor_ms'])}{' (' + r['floor_kind'] + ')' if r['floor_kind'] else ''} | "
+            f"{fmt(r['vs_floor'], '.2f')} | {fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} |")
+    lines += ["", "Floors: `l0 + KV bytes / bandwidth`; bandwidths measured on this machine:", "",
+              "| prompt tokens | KV MiB (loadable) | memcpy GB/s | cold disk read GB/s |",
+              "| ---: | ---: | ---: | ---: |"]
+    for size, b in result["bandwidth"].items():
+        lines.append(f"| {size} | {b['kv_bytes'] / 2**20:.1f} | {b['dram']['best'] / 1e9:.2f} | "
+                     f"{b['disk']['bytes_per_s'] / 1e9:.2f} |")
+    lines += ["", "## Targets", "", "| prompt tokens | ratio | value | target | met |",
+              "| ---: | --- | ---: | ---: | --- |"]
+    for t in s["targets"]:
+        tgt = "–" if t["target"] is None else ("< 1" if t["target"] == 1.0 else f"≤ {t['target']}")
+        met = "–" if t["met"] is None else ("yes" if t["met"] else "**NO**")
+        lines.append(f"| {t['size']} | {t['ratio']} | {fmt(t['value'], '.2f')} | {tgt} | {met} |")
+    tp = s["throughput"]
+    if tp:
+        a = result["config"]["throughput"]
+        lines += ["", "## No-reuse throughput", "",
+                  f"{a['prompts']} distinct prompts of {a['len']} tokens, max_tokens {a['max_tokens']}, "
+                  f"submitted at once; {a['rounds']} rounds per engine, alternated.", "",
+                  "| engine | median tokens/s | rounds (s) |", "| --- | ---: | --- |"]
+        for name in ("without", "with"):
+            lines.append(f"| {name} connector | {tp[name + '_tokens_per_s']:,.0f} | "
+                         + ", ".join(f"{x['seconds']:.2f}" for x in tp["rounds"][name]) + " |")
+        lines.append(f"\nwith / without = **{tp['ratio']:.3f}** (target ≥ {tp['target']}: "
+                     f"{'met' if tp['met'] else 'NOT met'})")
+    if result["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1024,4096,8192", help="prompt sizes in tokens")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="samples of rows that need a cold prefill each (cold, lmcache-disk)")
+    p.add_argument("--hit-repeats", type=int, default=5, help="samples of every other hit row")
+    p.add_argument("--quick", action="store_true", help="smoke run: sizes 512,1024, small throughput batch")
+    p.add_argument("--skip-lmcache", action="store_true")
+    p.add_argument("--only", default="", help="comma list of: ours-dram,ours-disk,lmcache,example,throughput")
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--workdir", default="/tmp/kvbench-ttft")
+    p.add_argument("--shmdir", default="/dev/shm/kvbench-ttft")
+    p.add_argument("--keep-workdir", action="store_true", help="keep the stores (for profiling)")
+    p.add_argument("--model-path", default="/tmp/kvbench-ttft-model")
+    p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument("--dram-size", default="2GiB")
+    p.add_argument("--disk-size", default="4GiB")
+    p.add_argument("--lmcache-l1-gb", type=float, default=2.0)
+    p.add_argument("--tput-prompts", type=int, default=16)
+    p.add_argument("--tput-len", type=int, default=1024)
+    p.add_argument("--tput-max-tokens", type=int, default=16)
+    p.add_argument("--tput-rounds", type=int, default=5)
+    p.add_argument("--tput-dram-size", default="1GiB")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes = "512,1024" if args.sizes == "1024,4096,8192" else args.sizes
+        args.tput_prompts, args.tput_len, args.tput_max_tokens, args.tput_rounds = 4, 512, 8, 2
+    args.sizes = [int(x) for x in args.sizes.split(",")]
+    if any(s % LMCACHE_CHUNK or s <= BLOCK for s in args.sizes):
+        p.error(f"sizes must be multiples of {LMCACHE_CHUNK}")
+    args.shape = dict(MODEL_SHAPE)
+    args.salt = f"{time.time_ns()}"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    from serving.default_model import ModelShape, ensure_model
+
+    ensure_model(args.model_path, ModelShape(**args.shape))
+    for d in (args.workdir, args.shmdir):
+        shutil.rmtree(d, ignore_errors=True)
+    bench = Bench(args)
+    only = set(filter(None, args.only.split(",")))
+    want = lambda name: not only or name in only  # noqa: E731
+    load_before = os.getloadavg()
+    try:
+        log("floors: bandwidth of a memory copy and of a cold disk read, per prompt size")
+        bench.measure_floors()
+        if want("ours-dram"):
+            bench.scenario("ours-dram", bench.run_ours_dram)
+        if want("ours-disk"):
+            bench.scenario("ours-disk", bench.run_ours_disk)
+        if want("lmcache") and not args.skip_lmcache:
+            reason = peers.lmcache_available()
+            if reason:
+                bench.errors.append(f"lmcache: skipped, {reason}")
+            else:
+                bench.scenario("lmcache", bench.run_lmcache)
+        if want("example"):
+            bench.scenario("example", bench.run_example)
+        if want("throughput"):
+            bench.scenario("throughput", bench.run_throughput)
+    finally:
+        shutil.rmtree(args.shmdir, ignore_errors=True)
+        if not args.keep_workdir:
+            for sub in ("ours-dram-nodisk", "ours-disk", "lmcache-l2", "example", "tput-disk", "bandwidth"):
+                shutil.rmtree(os.path.join(args.workdir, sub), ignore_errors=True)
+    import vllm
+
+    result = {
+        "config": {
+            "shape": args.shape, "dtype": DTYPE, "bytes_per_token": bench.bytes_per_token,
+            "sizes": args.sizes, "repeats": args.repeats, "hit_repeats": args.hit_repeats, "vllm": vllm.__version__,
+            "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, load avg "
+                       f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
+            "throughput": {"prompts": args.tput_prompts, "len": args.tput_len,
+                           "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds},
+            "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib,
+        },
+        "bandwidth": bench.bandwidth,
+        "summary": bench.summary(),
+        "page_cache_checks": bench.checks,
+        "timings_s": bench.timings,
+        "errors": bench.errors,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ttft.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(os.path.join(args.out, "ttft.md"), "w") as f:
+        f.write(md)
+    print("\n" + md)
+    log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

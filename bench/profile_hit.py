@@ -1,0 +1,146 @@
+"""Where our connector's hit time goes: its load path, step by step, without vLLM.
+
+    .venv/bin/python -m bench.profile_hit [--tokens 8192] [--repeats 5]
+
+Runs in one process, single-threaded except where the connector itself uses threads
+(the disk tier's ``get_async`` pool). Stores one prompt's chunks with the connector's
+own classes (``TieredStore``, ``FileTier``, ``BlockCopier``) on KV tensors laid out as
+vLLM's CPU backend lays them out (``[blocks, kv_heads, block_size, 2 * head_dim]`` per
+layer), then times, per hit: the scheduler's lookup (``contains`` per chunk), the tier
+read (DRAM: private ``MAP_POPULATE`` mmap of a tmpfs file; disk: ``readv`` into a new
+buffer, page cache dropped), the entry check (``decode``: header + XXH3-128 of the
+payload), and the copy into the paged KV cache (``scatter``: ``index_copy_`` per
+layer); and the disk path as the worker runs it (``get_async`` on the I/O threads,
+scatter in order). Compared with a plain memory copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shm", default="/dev/shm/kvbench-profile")
+    p.add_argument("--disk", default="/tmp/kvbench-profile")
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from bench import pagecache
+    from cache.codec import decode
+    from cache.config import build_cache_config
+    from cache.keys import Namespace, chunk_keys
+    from cache.kv_copy import BlockCopier, KVLayout
+    from cache.policy import make_policy
+    from cache.store import TieredStore
+    from cache.tiers import make_tiers
+
+    torch.set_num_threads(1)  # as vLLM's CPU worker runs
+    block, chunk = 128, 256
+    n_chunks = args.tokens // chunk
+    num_blocks = 2 * args.tokens // block + 8
+    caches = {f"layer.{i}": torch.randn(num_blocks, args.kv_heads, block, 2 * args.head_dim)
+              for i in range(args.layers)}
+    layout = KVLayout.of(caches, num_blocks)
+    copier = BlockCopier(caches, layout)
+    ns = Namespace("profile", "0", layout.dtype_name, "profile", chunk_tokens=chunk)
+    tokens = list(np.random.default_rng(0).integers(0, 256, args.tokens))
+    keys = chunk_keys(ns.chain_digest, [int(t) for t in tokens], chunk)
+    per = chunk // block
+    src_blocks = [list(range(i * per, (i + 1) * per)) for i in range(n_chunks)]
+    dst_base = args.tokens // block + 4
+    dst_blocks = [list(range(dst_base + i * per, dst_base + (i + 1) * per)) for i in range(n_chunks)]
+    nbytes = layout.bytes_per_block() * per * n_chunks
+    report = {"tokens": args.tokens, "chunks": n_chunks, "kv_bytes": nbytes, "tiers": {}}
+    print(f"{args.tokens} tokens, {n_chunks} chunks of {chunk}, KV {nbytes / 2**20:.1f} MiB "
+          f"({layout.bytes_per_block() * per / 2**20:.2f} MiB per chunk)")
+
+    for tier_name in ("dram", "disk"):
+        shutil.rmtree(args.shm, ignore_errors=True)
+        shutil.rmtree(args.disk, ignore_errors=True)
+        extra = {"kvcache_cpu_path": args.shm, "kvcache_disk_path": args.disk,
+                 "kvcache_cpu_size": "2GiB" if tier_name == "dram" else "0",
+                 "kvcache_disk_size": "2GiB" if tier_name == "disk" else "0"}
+        config = build_cache_config(env={}, extra=extra)
+        tiers = make_tiers(config, ns.id)
+        store = TieredStore(tiers, ns.digest, [make_policy(config.policy) for _ in tiers],
+                            io_threads=config.io_threads)
+        for i, key in enumerate(keys):
+            host = copier.gather(src_blocks[i])
+            store.put(key, keys[i - 1] if i else None, layout.dtype_name, tuple(host.shape),
+                      host.view(torch.uint8).reshape(-1).numpy())
+        store.flush()
+        folder = args.shm if tier_name == "dram" else args.disk
+        steps = {"lookup": [], "read": [], "decode": [], "scatter": [], "sum": [], "worker_path": []}
+        for _ in range(args.repeats):
+            if tier_name == "disk":
+                pagecache.drop(folder)
+            t = time.perf_counter()
+            assert len(store.lookup(keys)) == n_chunks
+            steps["lookup"].append(time.perf_counter() - t)
+            r = d = s = 0.0
+            for i, key in enumerate(keys):
+                t0 = time.perf_counter()
+                raw = store.tiers[0].read(key)
+                t1 = time.perf_counter()
+                info, payload = decode(raw, ns.digest, key)
+                t2 = time.perf_counter()
+                src = torch.frombuffer(payload, dtype=layout.dtype).view(info.shape)
+                copier.scatter(dst_blocks[i], src, 0)
+                t3 = time.perf_counter()
+                r, d, s = r + t1 - t0, d + t2 - t1, s + t3 - t2
+                del src, payload, raw
+            steps["read"].append(r)
+            steps["decode"].append(d)
+            steps["scatter"].append(s)
+            steps["sum"].append(r + d + s)
+            # As the worker runs it: sync get() for DRAM, get_async() on the I/O pool for disk.
+            if tier_name == "disk":
+                pagecache.drop(folder)
+            t = time.perf_counter()
+            futures = [store.get_async(k) for k in keys] if tier_name == "disk" else None
+            for i, key in enumerate(keys):
+                entry = futures[i].result() if futures else store.get(key)
+                src = torch.frombuffer(entry.payload, dtype=layout.dtype).view(entry.info.shape)
+                copier.scatter(dst_blocks[i], src, 0)
+                del src, entry
+            steps["worker_path"].append(time.perf_counter() - t)
+        store.close()
+        med = {k: statistics.median(v) for k, v in steps.items()}
+        report["tiers"][tier_name] = {k: v * 1e3 for k, v in med.items()}
+        print(f"\n{tier_name}: median of {args.repeats} (ms, and GB/s of the KV bytes)")
+        for k, v in med.items():
+            print(f"  {k:12s} {v * 1e3:8.1f} ms  {nbytes / v / 1e9 if v else 0:6.2f} GB/s")
+
+    # A plain copy of the same bytes: the floor for read + scatter from DRAM.
+    bw = pagecache.dram_bandwidth(nbytes)
+    report["memcpy_ms"] = nbytes / bw["best"] * 1e3
+    print(f"\nmemcpy of the same bytes: {report['memcpy_ms']:.1f} ms ({bw['best'] / 1e9:.2f} GB/s)")
+    disk = pagecache.disk_bandwidth(nbytes, args.disk)
+    report["disk_read_ms"] = nbytes / disk["bytes_per_s"] * 1e3
+    print(f"cold read of one file of the same size: {report['disk_read_ms']:.1f} ms "
+          f"({disk['bytes_per_s'] / 1e9:.2f} GB/s)")
+    shutil.rmtree(args.shm, ignore_errors=True)
+    shutil.rmtree(args.disk, ignore_errors=True)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
