@@ -15,7 +15,7 @@ import heapq
 from collections import OrderedDict
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
-from .policy import EvictionPolicy, Key
+from .policy import POLICIES, EvictionPolicy, Key
 
 
 class ARCPolicy(EvictionPolicy):
@@ -241,3 +241,7 @@ class BeladyPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._present)
+
+
+POLICIES["arc"] = ARCPolicy
+POLICIES["s3fifo"] = S3FIFOPolicy

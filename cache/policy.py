@@ -93,18 +93,13 @@ class LRUPolicy(EvictionPolicy):
         return len(self._order)
 
 
-# The other policies subclass the ABC above, so they are imported after it.
-from .policies_ref import ARCPolicy, S3FIFOPolicy  # noqa: E402
-from .policy_prefix import PrefixAdaptivePolicy  # noqa: E402
-
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "arc": ARCPolicy,
-    "s3fifo": S3FIFOPolicy,
-    "prefix-adaptive": PrefixAdaptivePolicy,
-}
-# Recommended: see ``cache/policy_prefix.py`` and ``bench/results/policy.md``.
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+# Recommended default: see ``cache/policy_prefix.py`` and ``bench/results/policy.md``.
 DEFAULT_POLICY = "prefix-adaptive"
+
+# The other policies subclass the ABC above and add themselves to ``POLICIES`` when
+# their module loads (so importing any of these modules first works too).
+from . import policies_ref, policy_prefix  # noqa: E402,F401
 
 
 def make_policy(name: str) -> EvictionPolicy:

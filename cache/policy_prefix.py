@@ -1,9 +1,14 @@
 """``prefix-adaptive``: the recommended eviction and admission policy for KV-chunk tiers.
 
 Runs wherever a tier runs (the vLLM worker's store, or ``cache.replay``), always under the
-store's lock. Nothing here blocks: every call is O(1) amortized (a few list splices,
-four sketch counters, one bounded probe of the ghost table), with no I/O, no sleeping
-and no pass over all entries; sketch ageing is spread over calls, 256 bytes at a time.
+store's lock. Nothing here blocks: every call is O(1) amortized (a few list splices, a
+hash-table probe, eight sketch/doorkeeper bytes, a bounded ghost-table probe), with no
+I/O and no sleeping. Growth of the key index is incremental (16 buckets moved per
+insert). The one periodic pass is TinyLFU's ageing of the sketch: two C-level passes
+(``bytes.translate`` and a fresh zeroed buffer) over ~8 bytes per chunk of capacity,
+once every 10x capacity accesses (tens of ms for a 10-million-chunk tier, i.e.
+amortized O(1)); the sketch and ghost are rebuilt empty (C-level allocations) when the
+learned capacity outgrows them, which only happens while the tier first fills.
 
 What it does, and why:
 
@@ -11,38 +16,43 @@ What it does, and why:
    ordering it keeps is a doubly linked list that holds the invariant *a child sits on
    the eviction side of its parent*. A touched or inserted chunk is spliced in right
    behind its parent (or at the protected end when it has no parent in the tier). The
-   eviction end of such a list is therefore always a leaf: chains are cut from the tail,
+   eviction end of such a list is therefore a leaf: chains are cut from the tail,
    shared roots (whose many children all sit behind them) go last, and no descendant
-   outlives its ancestor. The children are never scanned, so this costs O(1).
+   outlives its ancestor. Children are never scanned, so this costs O(1). (``victim``
+   still checks the child count and parks a non-leaf, so the rule holds even when the
+   store removes inner chunks behind our back.)
 2. **Two experts, weights learned online.** A recency expert (the list above) and a
-   frequency expert (one such list per log2-frequency level, levels clamped so a child's
-   level never exceeds its parent's) each name a victim. Which one evicts is decided by
-   weights learned from regret, as in LeCaR (Vietri et al., HotStorage'18): an evicted
+   frequency expert (one such list per log2-frequency level; a child's level is clamped
+   to its parent's, so the order stays prefix-safe) each name a victim. Which one
+   evicts is learned from regret, as in LeCaR (Vietri et al., HotStorage'18): an evicted
    key enters a ghost table tagged with the expert that chose it; when it is asked for
    again, that expert's weight shrinks (by more the sooner it came back). A
-   deterministic stride turns the weights into decisions, so runs are reproducible.
-3. **Learned admission.** A count-min sketch (one byte per counter, halved on a rolling
-   basis every ~10x capacity accesses, as in TinyLFU) remembers keys beyond residency.
-   When the tier is full, a chunk seen for the first time is a *first sighting*; a
-   second pair of weights learns whether to take first sightings or refuse them: a
-   refused key that comes back blames "refuse", a victim evicted to make room for an
-   admitted first sighting that comes back blames "admit". One decision covers a whole
-   new chain (its later blocks follow their parent), and a chunk whose parent is absent
-   is always refused, since it could never be hit.
-4. **Queue hints.** ``hint_upcoming`` protects present keys for about one cache
-   turnover (``capacity`` accesses) or until touched; a protected victim candidate is
-   parked out of the lists instead of evicted, and so are ancestors of parked chunks.
+   deterministic stride turns weights into decisions, so runs are reproducible.
+3. **Learned admission.** TinyLFU's history (a doorkeeper Bloom filter in front of a
+   count-min sketch of byte counters, halved every 10x capacity accesses) remembers
+   keys beyond residency. When the tier is full, a chunk not seen before in that window
+   is a *first sighting*; a second pair of weights learns whether to take first
+   sightings or refuse them. One decision covers a whole new chain (its later blocks
+   follow their parent) and is judged block by block: every refused block that comes
+   back blames "refuse", every victim evicted to make room for an admitted first
+   sighting that comes back blames "admit". A chunk whose parent is absent is always
+   refused: it could never be hit.
+4. **Queue hints.** ``hint_upcoming`` states what the waiting requests will look up:
+   present keys are protected (a protected victim candidate, and any ancestor of one,
+   is parked out of the lists instead of evicted), absent ones pass the admission gate
+   and are protected once stored.
 
-Nothing is fitted to a trace: the only constants are the published defaults of the
+Nothing is fitted to a trace: the constants are the published defaults of the
 mechanisms above (LeCaR's learning rate 0.45 and discount 0.005 over one cache size,
-TinyLFU's sample size of 10x capacity) and a 1 % exploration floor so neither expert
-is ever starved of evidence.
+TinyLFU's sample size of 10x capacity), a 1 % floor on each arm's weight so neither
+is starved of evidence and a phase change can swing them back, and table load factors.
 
-The capacity is not given: it is learned as the largest resident count seen, which is
-what the store holds when it starts asking for victims. ``size`` is ignored (a tier's
-chunks have one size per model). Memory: a dict entry plus 28 bytes of arrays per
-resident chunk, and a byte-per-counter sketch and 8-byte ghost slots sized to the
-capacity; ``tests/test_policy.py`` measures it.
+The capacity is not given: it is learned as the largest resident count seen (what the
+store holds when it starts asking for victims). ``size`` is ignored: a tier's chunks
+have one size per model. Memory per resident chunk: 36 bytes of per-slot arrays, a
+4-byte index bucket at load <= 1/2, a list slot, about 8 bytes of sketch and
+doorkeeper and 16 of ghost table, and no key object of its own (the store owns keys;
+evicted keys are remembered by fingerprint). ``tests/test_policy.py`` measures it.
 """
 
 from __future__ import annotations
@@ -50,154 +60,155 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from typing import Deque, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
-from .policy import EvictionPolicy, Key
+from .policy import POLICIES, EvictionPolicy, Key
 
 _M64 = (1 << 64) - 1
-_MULS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+_M32 = (1 << 32) - 1
 _HALVE = bytes(v >> 1 for v in range(256))  # translate table: halve every counter
 
 _R = 16                       # level sentinels (live levels span at most 9)
 _LRU = 0                      # slot of the recency list's sentinel
-_FIRST = 1 + _R               # first slot for a chunk
+_FIRST = 1 + _R               # first slot for a chunk; slot 0 also means "none"
 
-_NONE, _BY_LRU, _BY_LFU, _REFUSED = 0, 1, 2, 3   # ghost codes, bit 2 = "admit" blamed
+_NONE, _BY_LRU, _BY_LFU, _REFUSED = 0, 1, 2, 3   # ghost codes; bit 2 = "admit" blamed
 _BLAME = 4
 
 
 def _mix(key: Key) -> int:
-    """64-bit mixed hash (``hash`` of small ints is the int itself)."""
+    """64-bit mixed hash (``hash`` of an int is the int itself)."""
     h = (hash(key) * 0x9E3779B97F4A7C15) & _M64
     h ^= h >> 31
     return (h * 0xBF58476D1CE4E5B9) & _M64
 
 
-class _Sketch:
-    """TinyLFU frequency history: a doorkeeper Bloom filter in front of a count-min sketch.
+class _History:
+    """TinyLFU frequency history: doorkeeper Bloom filter + count-min sketch.
 
-    The first sighting of a key only sets its 4 doorkeeper bits; later sightings bump
-    4 saturating byte counters (conservative update). ``estimate`` = counters + door bit.
-    Ageing is TinyLFU's reset spread over time: every ``period / chunks`` increments one
-    chunk of the counters is halved and the matching chunk of the doorkeeper cleared, so
-    the whole history ages once per ``period`` increments without a pause. ``sweeps``
-    counts completed passes (the policy's ageing epochs).
+    The first sighting of a key only sets its two doorkeeper bits; later sightings bump
+    four saturating byte counters (conservative update). Estimate = counters + door.
+    Every ``period`` additions all counters are halved and the doorkeeper is cleared
+    (``resets`` counts those; they are the policy's ageing epochs). Indexes use
+    multiply-shift range reduction, so ``width`` need not be a power of two.
     """
 
-    DOOR_BYTES_PER_COUNTER = 2   # 16 doorkeeper bits per counter row entry
-
     def __init__(self, width: int, period: int) -> None:
-        bits = max(10, (width - 1).bit_length())
-        self.bits = bits
-        self.width = 1 << bits
-        self.table = bytearray(4 * self.width)
-        self.door = bytearray(self.DOOR_BYTES_PER_COUNTER * len(self.table))
-        self.dbits = (8 * len(self.door) - 1).bit_length()
+        w = max(64, width)
+        self.w = w
+        self.table = bytearray(4 * w)
+        self.door = bytearray(4 * w)        # 32 doorkeeper bits per counter column
+        self.dbits = 32 * w
         self.period = max(1, period)
         self.count = 0
-        self.sweeps = 0
-
-    def _slots(self, h: int) -> Tuple[int, int, int, int]:
-        s, w = 64 - self.bits, self.width
-        return (
-            ((h * _MULS[0]) & _M64) >> s,
-            w + (((h * _MULS[1]) & _M64) >> s),
-            2 * w + (((h * _MULS[2]) & _M64) >> s),
-            3 * w + (((h * _MULS[3]) & _M64) >> s),
-        )
-
-    def _door_bits(self, h: int) -> List[int]:
-        s = 64 - self.dbits
-        g = h ^ (h >> 29)
-        return [((g * m) & _M64) >> s for m in _MULS]
-
-    def _in_door(self, bits: List[int]) -> bool:
-        d = self.door
-        for b in bits:
-            if not d[b >> 3] & (1 << (b & 7)):
-                return False
-        return True
+        self.resets = 0
 
     def estimate(self, h: int) -> int:
-        t = self.table
-        a, b, c, d = self._slots(h)
-        return min(t[a], t[b], t[c], t[d]) + (1 if self._in_door(self._door_bits(h)) else 0)
+        w, t = self.w, self.table
+        g = (h * 0xD6E8FEB86659FD93) & _M64
+        m = t[((h & _M32) * w) >> 32]
+        x = t[w + (((h >> 32) * w) >> 32)]
+        if x < m:
+            m = x
+        x = t[2 * w + (((g & _M32) * w) >> 32)]
+        if x < m:
+            m = x
+        x = t[3 * w + (((g >> 32) * w) >> 32)]
+        if x < m:
+            m = x
+        d, db = self.door, self.dbits
+        g = (h * 0x165667B19E3779F9) & _M64
+        b0 = ((g & _M32) * db) >> 32
+        b1 = ((g >> 32) * db) >> 32
+        if d[b0 >> 3] & (1 << (b0 & 7)) and d[b1 >> 3] & (1 << (b1 & 7)):
+            m += 1
+        return m
 
     def add(self, h: int) -> int:
-        """Count one access of ``h``; returns the new estimate. May finish a sweep."""
-        t = self.table
-        idx = self._slots(h)
-        m = min(t[i] for i in idx)
-        bits = self._door_bits(h)
-        if self._in_door(bits):
+        """Count one access of ``h``; returns the new estimate."""
+        d, db = self.door, self.dbits
+        g = (h * 0x165667B19E3779F9) & _M64
+        b0 = ((g & _M32) * db) >> 32
+        b1 = ((g >> 32) * db) >> 32
+        w, t = self.w, self.table
+        g = (h * 0xD6E8FEB86659FD93) & _M64
+        i0 = ((h & _M32) * w) >> 32
+        i1 = w + (((h >> 32) * w) >> 32)
+        i2 = 2 * w + (((g & _M32) * w) >> 32)
+        i3 = 3 * w + (((g >> 32) * w) >> 32)
+        m = t[i0]
+        x = t[i1]
+        if x < m:
+            m = x
+        x = t[i2]
+        if x < m:
+            m = x
+        x = t[i3]
+        if x < m:
+            m = x
+        if d[b0 >> 3] & (1 << (b0 & 7)) and d[b1 >> 3] & (1 << (b1 & 7)):
             if m < 255:
-                for i in idx:
+                for i in (i0, i1, i2, i3):
                     if t[i] == m:
                         t[i] = m + 1
                 m += 1
         else:
-            d = self.door
-            for b in bits:
-                d[b >> 3] |= 1 << (b & 7)
+            d[b0 >> 3] |= 1 << (b0 & 7)
+            d[b1 >> 3] |= 1 << (b1 & 7)
         self.count += 1
         if self.count >= self.period:
-            self._age()
+            self.count = 0
+            self.table = t.translate(_HALVE)
+            self.door = bytearray(len(d))
+            self.resets += 1
         return m + 1
-
-    def _age(self) -> None:
-        """TinyLFU reset: halve every counter, clear the doorkeeper (two C-level passes
-        over ~12 bytes per tracked chunk; once per ``period`` increments)."""
-        self.count = 0
-        self.table = self.table.translate(_HALVE)
-        self.door = bytearray(len(self.door))
-        self.sweeps += 1
 
 
 class _Ghost:
     """Lossy history of recently evicted/refused keys: fingerprint, code and tick packed
-    into one int64 per slot, bounded linear probing, entries expire after ``horizon``
-    ticks. Holds no reference to the key (a store's keys may be large strings)."""
+    in one int64 per slot, bounded linear probing, entries expire after ``horizon``
+    ticks. It keeps no reference to keys (a store's keys may be large strings)."""
 
     PROBE = 8
 
     def __init__(self, size: int, horizon: int) -> None:
-        bits = max(10, (size - 1).bit_length())
-        self.mask = (1 << bits) - 1
-        self.slots = array("q", bytes(8 << bits))
+        self.size = max(64, size)
+        self.slots = array("q", bytes(8 * self.size))
         self.horizon = max(1, horizon)
 
-    @staticmethod
-    def _fp(h: int) -> int:
-        return ((h >> 40) & 0xFFFFFF) | 1
-
     def put(self, h: int, code: int, now: int) -> None:
-        slots, mask, fp = self.slots, self.mask, self._fp(h)
-        i = h & mask
-        best, best_tick = i, None
-        for k in range(self.PROBE):
-            j = (i + k) & mask
+        slots, size, horizon = self.slots, self.size, self.horizon
+        fp = (h & 0xFFFFFF) | 1
+        j = ((h >> 32) * size) >> 32
+        best, best_tick = j, now + 1
+        for _ in range(self.PROBE):
             v = slots[j]
-            tick = v >> 27
-            if v == 0 or ((v >> 3) & 0xFFFFFF) == fp or now - tick > self.horizon:
+            if v == 0 or ((v >> 3) & 0xFFFFFF) == fp or now - (v >> 27) > horizon:
                 best = j
                 break
-            if best_tick is None or tick < best_tick:
-                best, best_tick = j, tick
+            if (v >> 27) < best_tick:
+                best, best_tick = j, v >> 27
+            j += 1
+            if j == size:
+                j = 0
         slots[best] = (now << 27) | (fp << 3) | code
 
     def pop(self, h: int, now: int) -> Optional[Tuple[int, int]]:
-        """``(code, age)`` of a live entry for ``h`` (removed), else ``None``."""
-        slots, mask, fp = self.slots, self.mask, self._fp(h)
-        i = h & mask
-        for k in range(self.PROBE):
-            j = (i + k) & mask
+        """``(code, age)`` of a live entry for ``h`` (consumed), else ``None``."""
+        slots, size = self.slots, self.size
+        fp = (h & 0xFFFFFF) | 1
+        j = ((h >> 32) * size) >> 32
+        for _ in range(self.PROBE):
             v = slots[j]
             if v == 0:
                 return None
             if ((v >> 3) & 0xFFFFFF) == fp:
+                slots[j] = (1 << 27) | (fp << 3)    # expired, keeps later probes going
                 age = now - (v >> 27)
-                slots[j] = (1 << 27) | (fp << 3) | _NONE  # tick 1: expired, keeps probing
                 return (v & 7, age) if age <= self.horizon else None
+            j += 1
+            if j == size:
+                j = 0
         return None
 
 
@@ -207,65 +218,179 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     name = "prefix-adaptive"
     LEARNING_RATE = 0.45      # LeCaR's default
     DISCOUNT = 0.005          # regret left after one cache size of ticks (LeCaR)
-    SAMPLE_FACTOR = 10        # sketch ageing period, in capacities (TinyLFU)
-    EXPLORE = 0.01            # floor on each arm's share
+    SAMPLE_FACTOR = 10        # history ageing period, in capacities (TinyLFU)
+    EXPLORE = 0.01            # floor on each arm's weight
+    MIGRATE = 16              # index buckets moved per insert while the index grows
 
     def __init__(self) -> None:
-        self._index: Dict[Key, int] = {}
-        self._keys: List[Optional[Key]] = [None] * _FIRST
         n = _FIRST
-        self._parent = array("i", [-1] * n)
+        self._keys: List[Optional[Key]] = [None] * n
+        self._h32 = array("I", [0] * n)
+        self._parent = array("i", [0] * n)       # 0 = no parent in the tier
         self._nchild = array("i", [0] * n)
         self._level = array("i", [0] * n)
-        # Sentinels are their own neighbours (empty circular lists).
+        # Sentinels are their own neighbours (empty circular lists); -1 = unlinked.
         self._lprev = array("i", range(n))
         self._lnext = array("i", range(n))
         self._fprev = array("i", range(n))
         self._fnext = array("i", range(n))
         self._free: List[int] = []
+        self._n = 0                 # resident chunks
+        # Key index: open addressing over slot numbers (0 = empty, -1 = tombstone in
+        # the old table while it is being migrated).
+        self._tbl = array("i", bytes(4 * 64))
+        self._tmask = 63
+        self._otbl: Optional[array] = None
+        self._omask = 0
+        self._ocur = 0
+        self._mk: object = None     # memo: last two keys looked up, hash and slot
+        self._mh = 0
+        self._ms = 0
+        self._pk: object = None
+        self._ph = 0
+        self._ps = 0
         self._cap = 0               # learned capacity (largest resident count seen)
         self._tick = 0
-        self._epoch = 0             # completed sketch sweeps
-        self._sketch = _Sketch(1024, self.SAMPLE_FACTOR * 1024)
-        self._ghost = _Ghost(1024, 1024)
+        self._epoch = 0             # history resets so far (frequency-level floor)
+        self._epoch_base = 0
+        self._hist = _History(64, self.SAMPLE_FACTOR * 64)
+        self._ghost = _Ghost(128, 64)
         self._w = [0.5, 0.5]        # eviction experts: recency, frequency
         self._g = [0.5, 0.5]        # first sightings: admit, refuse
         self._acc = [0.0, 0.0]      # stride accumulators for the two choices
-        self._last_miss: Optional[int] = None
-        self._gate_last: Optional[Key] = None   # last key admitted on a gate "admit"
-        self._blame = False         # next eviction is for an admitted first sighting
+        self._last_miss = -1        # hash counted by miss(), not to be counted again
+        self._gate_last: Optional[Key] = None     # last key let in by a gate "admit"
+        self._gate_refused: Optional[Key] = None  # last key refused with its chain
+        self._blame = False         # next eviction makes room for a first sighting
         self._full = False          # the store has asked for a victim at least once
-        self._victim = -1           # cached victim slot (valid until the next change)
+        self._victim = 0            # cached victim slot (valid until the next change)
         self._victim_code = _NONE
-        self._protect: Dict[int, int] = {}      # slot -> expiry tick
+        self._protect: Dict[int, int] = {}        # slot -> expiry tick
+        self._expect: Dict[int, int] = {}         # hash of an absent hinted key -> expiry
+        self._hinted: List[int] = []              # slots protected by the last hint
         self._parked: Deque[Tuple[int, int]] = deque()  # (expiry tick, slot)
 
-    # ----------------------------------------------------------- sizing and history
-    def _grow_history(self) -> None:
-        """Size sketch and ghost to the learned capacity (only while it doubles)."""
-        cap = self._cap
-        if cap > self._sketch.width:
-            self._sketch = _Sketch(cap, self.SAMPLE_FACTOR * cap)
-            self._epoch_base = self._epoch
-        if cap > self._ghost.mask + 1:
-            self._ghost = _Ghost(cap, cap)
-        self._ghost.horizon = max(1, cap)
+    # ------------------------------------------------------------------- key index
+    def _lookup(self, key: Key) -> Tuple[int, int]:
+        """``(hash, slot)`` of ``key``; slot 0 when absent. Memoised for the last two
+        keys (a store asks about a key, its parent, then the key again)."""
+        if key is self._mk:
+            return self._mh, self._ms
+        if key is self._pk:
+            return self._ph, self._ps
+        h = _mix(key)
+        h32 = h & _M32
+        keys, hs = self._keys, self._h32
+        tbl, mask = self._tbl, self._tmask
+        i = h32 & mask
+        s = tbl[i]
+        while s:
+            if hs[s] == h32 and keys[s] == key:
+                break
+            i = (i + 1) & mask
+            s = tbl[i]
+        if not s and self._otbl is not None:
+            tbl, mask = self._otbl, self._omask
+            i = h32 & mask
+            s = tbl[i]
+            while s:
+                if s > 0 and hs[s] == h32 and keys[s] == key:
+                    break
+                i = (i + 1) & mask
+                s = tbl[i]
+        self._pk, self._ph, self._ps = self._mk, self._mh, self._ms
+        self._mk, self._mh, self._ms = key, h, s
+        return h, s
 
-    _epoch_base = 0
+    def _memo_insert(self, key: Key, h: int, slot: int) -> None:
+        if self._ps == 0 and self._pk is not None and self._pk == key:
+            self._ps = slot                 # an equal key object memoised as absent
+        if self._ms == 0 and self._mk is not None and self._mk == key and self._mk is not key:
+            self._ms = slot
+        self._pk, self._ph, self._ps = self._mk, self._mh, self._ms
+        self._mk, self._mh, self._ms = key, h, slot
 
+    def _memo_remove(self, slot: int) -> None:
+        if self._ms == slot:
+            self._ms = 0
+        if self._ps == slot:
+            self._ps = 0
+
+    def _slot_of(self, key: Key) -> int:
+        return self._lookup(key)[1]
+
+    def _tput(self, tbl: array, mask: int, slot: int) -> None:
+        i = self._h32[slot] & mask
+        while tbl[i] > 0:
+            i = (i + 1) & mask
+        tbl[i] = slot
+
+    def _index_add(self, slot: int) -> None:
+        if self._otbl is not None:
+            self._migrate(self.MIGRATE)
+        if 2 * (self._n + 1) > self._tmask + 1:
+            if self._otbl is not None:
+                self._migrate(self._omask + 1)
+            self._otbl, self._omask, self._ocur = self._tbl, self._tmask, 0
+            self._tmask = 2 * (self._tmask + 1) - 1
+            self._tbl = array("i", bytes(4 * (self._tmask + 1)))
+        self._tput(self._tbl, self._tmask, slot)
+
+    def _migrate(self, steps: int) -> None:
+        otbl, cur = self._otbl, self._ocur
+        end = min(len(otbl), cur + steps)
+        tbl, mask = self._tbl, self._tmask
+        for i in range(cur, end):
+            s = otbl[i]
+            if s > 0:
+                self._tput(tbl, mask, s)
+        self._ocur = end
+        if end >= len(otbl):
+            self._otbl = None
+
+    def _index_del(self, slot: int) -> None:
+        h32 = self._h32[slot]
+        tbl, mask, hs = self._tbl, self._tmask, self._h32
+        i = h32 & mask
+        s = tbl[i]
+        while s and s != slot:
+            i = (i + 1) & mask
+            s = tbl[i]
+        if s == slot:               # backward-shift deletion keeps probes tombstone-free
+            j = i
+            while True:
+                j = (j + 1) & mask
+                s = tbl[j]
+                if not s:
+                    break
+                k = hs[s] & mask
+                if (i < j and (k <= i or k > j)) or (j < i and i >= k > j):
+                    tbl[i] = s
+                    i = j
+            tbl[i] = 0
+        if self._otbl is not None:
+            otbl, omask = self._otbl, self._omask
+            i = h32 & omask
+            s = otbl[i]
+            while s and s != slot:
+                i = (i + 1) & omask
+                s = otbl[i]
+            if s == slot:
+                otbl[i] = -1
+
+    # ---------------------------------------------------------------- history, levels
     def _count(self, h: int) -> int:
-        """Record one access of hash ``h``; returns its sketch estimate."""
+        """Record one access of hash ``h``; returns its frequency estimate."""
         self._tick += 1
-        sk = self._sketch
-        est = sk.add(h)
-        epoch = self._epoch_base + sk.sweeps
-        if epoch != self._epoch:
-            self._age_levels(epoch)
+        hist = self._hist
+        est = hist.add(h)
+        if self._epoch_base + hist.resets != self._epoch:
+            self._age_levels(self._epoch_base + hist.resets)
         return est
 
     def _level_of(self, est: int, pslot: int) -> int:
         lvl = self._epoch + (est.bit_length() - 1 if est > 0 else 0)
-        if pslot >= 0:
+        if pslot:
             plvl = self._level[pslot]
             if plvl < self._epoch:
                 plvl = self._epoch
@@ -274,7 +399,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         return lvl
 
     def _age_levels(self, epoch: int) -> None:
-        """Counters were halved: fold each level list below the new floor into it."""
+        """Counters were halved: fold the level list below the new floor into it."""
         fp, fn = self._fprev, self._fnext
         while self._epoch < epoch:
             src = 1 + self._epoch % _R
@@ -283,28 +408,83 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             if fn[src] == src:
                 continue
             a, b, first = fn[src], fp[src], fn[dst]
-            # src's whole list goes on dst's eviction side, order kept.
-            fn[dst], fp[a] = a, dst
+            fn[dst], fp[a] = a, dst        # src's list goes on dst's eviction side
             fn[b], fp[first] = first, b
             fn[src] = fp[src] = src
 
+    def _grow_history(self) -> None:
+        """Size history and ghost to the learned capacity (with 1.5x headroom, so only
+        O(log capacity) times, while the tier first fills)."""
+        cap = self._cap
+        if cap > self._hist.w:
+            w = cap + cap // 2
+            self._hist = _History(w, self.SAMPLE_FACTOR * w)
+            self._epoch_base = self._epoch
+        if 2 * cap > self._ghost.size:
+            # at most one event (eviction or refusal) per tick, horizon = cap ticks:
+            # 2-3x that many slots keeps the table at most half full.
+            self._ghost = _Ghost(3 * cap, cap)
+
     # ----------------------------------------------------------------- list splicing
+    def _place(self, slot: int, orphan: bool = False) -> None:
+        """Link ``slot``: behind its parent, at the protected end, or (orphan) first out."""
+        lp, ln, fp, fn = self._lprev, self._lnext, self._fprev, self._fnext
+        p = self._parent[slot]
+        p_linked = p > 0 and lp[p] >= 0
+        if orphan:
+            at = ln[_LRU]
+        else:
+            at = p if p_linked else _LRU
+        prev = lp[at]
+        lp[slot] = prev
+        ln[slot] = at
+        ln[prev] = slot
+        lp[at] = slot
+        epoch = self._epoch
+        lvl = self._level[slot]
+        eff = lvl if lvl > epoch else epoch
+        sent = 1 + eff % _R
+        if orphan:
+            at = fn[sent]
+        elif p_linked and (self._level[p] if self._level[p] > epoch else epoch) == eff:
+            at = p
+        else:
+            at = sent
+        prev = fp[at]
+        fp[slot] = prev
+        fn[slot] = at
+        fn[prev] = slot
+        fp[at] = slot
+
     def _unlink(self, slot: int) -> None:
         lp, ln, fp, fn = self._lprev, self._lnext, self._fprev, self._fnext
-        a, b = lp[slot], ln[slot]
+        a = lp[slot]
         if a < 0:
             return
-        ln[a], lp[b] = b, a
-        a, b = fp[slot], fn[slot]
-        fn[a], fp[b] = b, a
+        b = ln[slot]
+        ln[a] = b
+        lp[b] = a
+        a = fp[slot]
+        b = fn[slot]
+        fn[a] = b
+        fp[b] = a
         lp[slot] = ln[slot] = fp[slot] = fn[slot] = -1
+
+    def _lowest_level_head(self) -> int:
+        fn = self._fnext
+        base = self._epoch
+        for lvl in range(base, base + 9):
+            sent = 1 + lvl % _R
+            head = fn[sent]
+            if head != sent:
+                return head
+        return 0
 
     # ---------------------------------------------------------------- learning
     def _pick(self, which: int) -> int:
-        """Stride scheduling over the learned weights: 0 or 1, deterministic."""
+        """Stride scheduling over the learned weights: arm 0 or 1, deterministic."""
         w = self._w if which == 0 else self._g
-        p = (1.0 - self.EXPLORE) * w[0] + self.EXPLORE / 2
-        acc = self._acc[which] + p
+        acc = self._acc[which] + w[0]
         if acc >= 1.0:
             self._acc[which] = acc - 1.0
             return 0
@@ -312,11 +492,14 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         return 1
 
     def _penalise(self, w: List[float], arm: int, age: int) -> None:
+        """Multiplicative-weights update, then a floor on each arm (fixed share), so a
+        workload that changes phase can swing the weights back within a few regrets."""
         r = math.exp(math.log(self.DISCOUNT) * age / max(1, self._cap))
         w[arm] *= math.exp(-self.LEARNING_RATE * r)
-        s = w[0] + w[1]
-        w[0] /= s
-        w[1] /= s
+        lo = self.EXPLORE
+        w0 = min(1.0 - lo, max(lo, w[0] / (w[0] + w[1])))
+        w[0] = w0
+        w[1] = 1.0 - w0
 
     def _regret(self, h: int) -> None:
         hit = self._ghost.pop(h, self._tick)
@@ -333,100 +516,123 @@ class PrefixAdaptivePolicy(EvictionPolicy):
 
     # -------------------------------------------------------------------- API
     def miss(self, key: Key, parent: Optional[Key]) -> None:
-        h = _mix(key)
+        h = self._lookup(key)[0]
         self._count(h)
         self._regret(h)
         self._last_miss = h
 
     def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
-        h = _mix(key)
+        h = self._lookup(key)[0]
         if h == self._last_miss:
-            est = self._sketch.estimate(h)
+            est = self._hist.estimate(h)
         else:
             est = self._count(h)
             self._regret(h)
-        self._last_miss = None
-        if parent is not None and parent not in self._index:
+        self._last_miss = -1
+        if parent is not None and not self._slot_of(parent):
+            if parent == self._gate_refused:
+                self._ghost.put(h, _REFUSED, self._tick)   # refused with its chain
+                self._gate_refused = key
             return False                    # could never be hit: its prefix is gone
-        if not self._full or len(self._index) < self._cap:
+        if not self._full or self._n < self._cap:
             return True                     # room to spare
         if parent is not None and parent == self._gate_last:
-            self._gate_last = key           # rest of a chain the gate already let in
+            self._gate_last = key           # rest of a chain the gate let in
+            self._blame = True
             return True
         if est >= 2:
             return True                     # seen before: not a first sighting
+        if self._expect and self._expect.get(h, -1) > self._tick:
+            return True                     # a queued request needs it
         if self._pick(1) == 1:
             self._ghost.put(h, _REFUSED, self._tick)
             self._gate_last = None
+            self._gate_refused = key
             return False
         self._blame = True
         self._gate_last = key
         return True
 
     def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
-        if key in self._index:
+        h, slot = self._lookup(key)
+        if slot:
             return
-        slot = self._alloc()
-        self._index[key] = slot
+        pslot = self._slot_of(parent) if parent is not None else 0
+        slot = self._free.pop() if self._free else self._new_slot()
         self._keys[slot] = key
-        pslot = self._index.get(parent, -1) if parent is not None else -1
+        self._h32[slot] = h & _M32
+        self._index_add(slot)
+        self._memo_insert(key, h, slot)
+        self._n += 1
         self._parent[slot] = pslot
         self._nchild[slot] = 0
-        if pslot >= 0:
+        if pslot:
             self._nchild[pslot] += 1
-        h = _mix(key)
-        self._level[slot] = self._level_of(self._sketch.estimate(h), pslot)
-        self._place(slot, orphan=parent is not None and pslot < 0)
-        if len(self._index) > self._cap:
-            self._cap = len(self._index)
-            if self._cap > self._sketch.width or self._cap > self._ghost.mask + 1:
+        self._level[slot] = self._level_of(self._hist.estimate(h), pslot)
+        self._place(slot, orphan=parent is not None and not pslot)
+        if self._expect:
+            until = self._expect.pop(h, -1)
+            if until > self._tick:
+                self._protect[slot] = until
+                self._hinted.append(slot)
+        if self._n > self._cap:
+            self._cap = self._n
+            self._ghost.horizon = self._cap
+            if self._cap > self._hist.w or 2 * self._cap > self._ghost.size:
                 self._grow_history()
-        self._victim = -1
+        self._victim = 0
 
     def touch(self, key: Key) -> None:
-        slot = self._index.get(key)
-        if slot is None:
+        h, slot = self._lookup(key)
+        if not slot:
             return
-        est = self._count(_mix(key))
-        self._protect.pop(slot, None)
+        est = self._count(h)
+        if self._protect:
+            self._protect.pop(slot, None)
         self._unlink(slot)
         self._level[slot] = self._level_of(est, self._parent[slot])
         self._place(slot)
-        self._victim = -1
+        self._victim = 0
 
     def remove(self, key: Key) -> None:
-        slot = self._index.pop(key, None)
-        if slot is None:
+        h, slot = self._lookup(key)
+        if not slot:
             return
         if slot == self._victim:
             code = self._victim_code | (_BLAME if self._blame else 0)
             if code:
-                self._ghost.put(_mix(key), code, self._tick)
+                self._ghost.put(h, code, self._tick)
             self._blame = False
-        self._victim = -1
-        self._protect.pop(slot, None)
+        self._victim = 0
+        self._index_del(slot)
+        self._memo_remove(slot)
+        self._n -= 1
+        if self._protect:
+            self._protect.pop(slot, None)
         self._unlink(slot)
         self._keys[slot] = None
         p = self._parent[slot]
-        self._parent[slot] = -1
+        self._parent[slot] = 0
         if self._nchild[slot] == 0:
             self._free.append(slot)
-        # else: its children are orphans now; the slot is freed with the last of them
-        if p >= 0:
+        # else its children are orphans now; the slot is freed with the last of them
+        if p:
             self._nchild[p] -= 1
             if self._keys[p] is None and self._nchild[p] == 0:
                 self._free.append(p)
 
     def victim(self) -> Optional[Key]:
-        if self._victim >= 0:
+        if self._victim:
             return self._keys[self._victim]
-        if not self._index:
+        if not self._n:
             return None
         self._full = True
-        self._unpark_expired()
+        if self._parked:
+            self._unpark_expired()
         expert = self._pick(0)
-        slot = -1
-        for _ in range(len(self._index) + 1):
+        slot = 0
+        nchild, protect = self._nchild, self._protect
+        for _ in range(self._n + 1):
             a = self._lnext[_LRU]
             b = self._lowest_level_head()
             cand = a if expert == 0 else b
@@ -434,80 +640,61 @@ class PrefixAdaptivePolicy(EvictionPolicy):
                 cand = b if expert == 0 else a
             if cand < _FIRST:
                 break
-            if self._nchild[cand] > 0 or self._protect.get(cand, -1) > self._tick:
+            if nchild[cand] > 0 or (protect and protect.get(cand, -1) > self._tick):
                 self._park(cand)
                 continue
             slot = cand
             self._victim_code = _NONE if a == b else (_BY_LRU if expert == 0 else _BY_LFU)
             break
-        if slot < 0:
+        if not slot:
             slot = self._unpark_oldest()
             self._victim_code = _NONE
         self._victim = slot
-        return self._keys[slot] if slot >= 0 else None
+        return self._keys[slot] if slot else None
 
     def hint_upcoming(self, keys: Iterable[Key]) -> None:
-        """Protect present ``keys`` for about one cache turnover, or until touched."""
+        """``keys`` are what the requests waiting *now* will look up.
+
+        Each call replaces the previous one (a request that left the queue no longer
+        needs protecting). Present keys are protected from eviction; absent ones are let
+        past the first-sighting gate when stored, and protected from then on. Protection
+        ends when the key is touched, at the next call, or after about one cache
+        turnover (``capacity`` accesses); at most half the capacity is protected.
+        """
+        protect = self._protect
+        for slot in self._hinted:
+            if protect.pop(slot, None) is not None:
+                self._relink(slot)          # parked for a hint that is gone
+        self._hinted = []
+        self._expect.clear()
         limit = max(1, self._cap // 2)
         until = self._tick + max(1, self._cap)
-        index, protect = self._index, self._protect
+        expect, hinted = self._expect, self._hinted
         for key in keys:
-            slot = index.get(key)
-            if slot is not None and (slot in protect or len(protect) < limit):
-                protect[slot] = until
-        self._victim = -1
+            h, slot = self._lookup(key)
+            if slot:
+                if len(protect) < limit and slot not in protect:
+                    protect[slot] = until
+                    hinted.append(slot)
+            elif len(expect) < limit:
+                expect[h] = until
+        self._victim = 0
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._index
+        return self._lookup(key)[1] > 0
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self._n
 
     # ------------------------------------------------------------------ helpers
-    def _place(self, slot: int, orphan: bool = False) -> None:
-        """Link ``slot``: behind its parent, at the protected end, or (orphan) first out."""
-        lp, ln, fp, fn = self._lprev, self._lnext, self._fprev, self._fnext
-        p = self._parent[slot]
-        p_linked = p >= 0 and lp[p] >= 0
-        if orphan:
-            at = ln[_LRU]
-        else:
-            at = p if p_linked else _LRU
-        prev = lp[at]
-        lp[slot], ln[slot], ln[prev], lp[at] = prev, at, slot, slot
-        epoch = self._epoch
-        lvl = self._level[slot]
-        eff = lvl if lvl > epoch else epoch
-        sent = 1 + eff % _R
-        if orphan:
-            at = fn[sent]
-        elif p_linked and max(self._level[p], epoch) == eff:
-            at = p
-        else:
-            at = sent
-        prev = fp[at]
-        fp[slot], fn[slot], fn[prev], fp[at] = prev, at, slot, slot
-
-    def _lowest_level_head(self) -> int:
-        fn = self._fnext
-        base = self._epoch
-        for lvl in range(base, base + 9):
-            sent = 1 + lvl % _R
-            head = fn[sent]
-            if head != sent:
-                return head
-        return -1
-
-    def _alloc(self) -> int:
-        if self._free:
-            return self._free.pop()
+    def _new_slot(self) -> int:
         slot = len(self._keys)
         self._keys.append(None)
-        for arr, fill in (
-            (self._parent, -1), (self._nchild, 0), (self._level, 0),
-            (self._lprev, -1), (self._lnext, -1), (self._fprev, -1), (self._fnext, -1),
-        ):
-            arr.append(fill)
+        self._h32.append(0)
+        for arr in (self._parent, self._nchild, self._level):
+            arr.append(0)
+        for arr in (self._lprev, self._lnext, self._fprev, self._fnext):
+            arr.append(-1)
         return slot
 
     def _park(self, slot: int) -> None:
@@ -519,30 +706,32 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     def _unpark_expired(self) -> None:
         parked, tick = self._parked, self._tick
         while parked and parked[0][0] <= tick:
-            _, slot = parked.popleft()
-            self._relink(slot)
+            self._relink(parked.popleft()[1])
 
     def _unpark_oldest(self) -> int:
         """Everything left is protected: give up the oldest protected leaf."""
         while self._parked:
-            _, slot = self._parked.popleft()
+            slot = self._parked.popleft()[1]
             if self._keys[slot] is not None and self._lprev[slot] < 0:
                 self._protect.pop(slot, None)
                 self._place(slot)
                 if self._nchild[slot] == 0:
                     return slot
         head = self._lnext[_LRU]
-        return head if head >= _FIRST and self._nchild[head] == 0 else -1
+        return head if head >= _FIRST and self._nchild[head] == 0 else 0
 
     def _relink(self, slot: int) -> None:
         if self._keys[slot] is not None and self._lprev[slot] < 0:
             self._protect.pop(slot, None)
             self._place(slot)
 
-    # Statistics for benches and tests (cheap, read-only).
     @property
     def weights(self) -> Dict[str, float]:
+        """Learned weights (for benches, logs and tests)."""
         return {
             "recency": self._w[0], "frequency": self._w[1],
             "admit_first_sighting": self._g[0], "refuse_first_sighting": self._g[1],
         }
+
+
+POLICIES[PrefixAdaptivePolicy.name] = PrefixAdaptivePolicy

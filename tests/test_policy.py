@@ -1,0 +1,395 @@
+"""Contract tests run against every eviction policy, plus the rules only ours promises.
+
+Pure CPU and fast (a few seconds): small synthetic prefix-tree traces, no real trace, no
+vLLM. ``PolicyContract`` is a mixin in the style of cachetools' tests: each concrete
+``Test*`` class names a factory and inherits every contract check.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+from cache.policies_ref import ARCPolicy, BeladyPolicy, S3FIFOPolicy
+from cache.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+)
+from cache.policy_prefix import PrefixAdaptivePolicy
+from cache.replay import Request, replay
+
+
+# ----------------------------------------------------------------------------- traces
+def tree_trace(seed: int, n: int = 400, docs: int = 12, max_len: int = 8) -> List[Request]:
+    """Shared system prompt + popular documents + a unique question, and one-off chains.
+
+    Keys are ints, as the replay tool passes them; every request's blocks form a path of
+    a prefix tree (equal key = equal prefix), like Mooncake ``hash_ids``.
+    """
+    rng = random.Random(seed)
+    nxt = [1000]
+
+    def fresh(k: int) -> List[int]:
+        out = list(range(nxt[0], nxt[0] + k))
+        nxt[0] += k
+        return out
+
+    system = fresh(2)
+    doc_blocks = [fresh(rng.randint(2, max_len)) for _ in range(docs)]
+    weights = [1.0 / (i + 1) for i in range(docs)]
+    out: List[Request] = []
+    for i in range(n):
+        if rng.random() < 0.35:
+            ids = fresh(rng.randint(1, max_len))            # one-off
+        else:
+            d = rng.choices(range(docs), weights)[0]
+            ids = system + doc_blocks[d] + fresh(1)         # shared prefix + question
+        out.append(Request(float(i), 512 * len(ids), tuple(ids)))
+    return out
+
+
+class CheckedPolicy(EvictionPolicy):
+    """Wraps a policy and checks the store-side contract on every call."""
+
+    def __init__(self, inner: EvictionPolicy, check_ancestors: bool = False) -> None:
+        self.inner = inner
+        self.check_ancestors = check_ancestors
+        self.parent: Dict[object, Optional[object]] = {}
+        self.children: Dict[object, int] = {}
+        self.max_len = 0
+        self.victims = 0
+
+    def admit(self, key, parent, size):
+        return self.inner.admit(key, parent, size)
+
+    def insert(self, key, parent, size):
+        assert key not in self.inner
+        self.inner.insert(key, parent, size)
+        assert key in self.inner
+        self.parent[key] = parent
+        if parent is not None and parent in self.inner:
+            self.children[parent] = self.children.get(parent, 0) + 1
+        self.max_len = max(self.max_len, len(self.inner))
+
+    def touch(self, key):
+        self.inner.touch(key)
+
+    def remove(self, key):
+        present = key in self.inner
+        self.inner.remove(key)
+        assert key not in self.inner
+        if present:
+            p = self.parent.pop(key, None)
+            if p is not None and self.children.get(p):
+                self.children[p] -= 1
+
+    def victim(self):
+        v = self.inner.victim()
+        if len(self.inner):
+            assert v is not None and v in self.inner
+            assert self.inner.victim() == v, "victim() must not change state"
+            if self.check_ancestors:
+                assert not self.children.get(v), f"victim {v} still has a present child"
+        self.victims += 1
+        return v
+
+    def miss(self, key, parent):
+        self.inner.miss(key, parent)
+
+    def hint_upcoming(self, keys):
+        self.inner.hint_upcoming(keys)
+
+    def __contains__(self, key):
+        return key in self.inner
+
+    def __len__(self):
+        return len(self.inner)
+
+
+# --------------------------------------------------------------------------- contract
+class PolicyContract:
+    """Every policy: bounded through the replay harness, victim present, no-op removes."""
+
+    check_ancestors = False
+
+    def make(self, requests: Sequence[Request] = ()) -> EvictionPolicy:
+        raise NotImplementedError
+
+    def test_empty(self):
+        p = self.make()
+        assert len(p) == 0
+        assert p.victim() is None
+        assert 1 not in p
+
+    def test_insert_touch_remove(self):
+        p = self.make([Request(0, 1024, (1, 2))])
+        if hasattr(p, "begin_request"):
+            p.begin_request((1, 2))
+        p.insert(1, None, 1)
+        p.insert(2, 1, 1)
+        assert 1 in p and 2 in p and len(p) == 2
+        p.touch(1)
+        v = p.victim()
+        assert v in p
+        p.remove(v)
+        assert v not in p and len(p) == 1
+
+    def test_absent_are_noops(self):
+        p = self.make()
+        p.remove(42)
+        p.touch(42)
+        p.miss(42, None)
+        p.hint_upcoming([42, 43])
+        assert len(p) == 0 and p.victim() is None
+        p.insert(7, None, 1)
+        p.remove(42)
+        p.touch(42)
+        assert len(p) == 1 and 7 in p
+
+    def test_remove_all(self):
+        p = self.make([Request(0, 2048, (1, 2, 3, 4))])
+        if hasattr(p, "begin_request"):
+            p.begin_request((1, 2, 3, 4))
+        for k, parent in ((1, None), (2, 1), (3, 2), (4, 3)):
+            p.insert(k, parent, 1)
+        while len(p):
+            v = p.victim()
+            assert v in p
+            p.remove(v)
+        assert p.victim() is None
+
+    @pytest.mark.parametrize("capacity", [1, 3, 17, 60])
+    def test_bounded_replay(self, capacity):
+        trace = tree_trace(seed=capacity)
+        checked = CheckedPolicy(self.make(trace), self.check_ancestors)
+        res = replay(trace, checked, capacity)
+        assert checked.max_len <= capacity
+        assert 0.0 <= res.token_hit_ratio <= 1.0
+        assert checked.victims > 0
+
+    def test_bounded_replay_with_hints(self):
+        trace = tree_trace(seed=5)
+        checked = CheckedPolicy(self.make(trace), self.check_ancestors)
+        replay(trace, checked, 20, hint_window_ms=3.0)
+        assert checked.max_len <= 20
+
+
+class TestLRU(PolicyContract):
+    def make(self, requests=()):
+        return LRUPolicy()
+
+
+class TestARC(PolicyContract):
+    def make(self, requests=()):
+        return ARCPolicy()
+
+
+class TestS3FIFO(PolicyContract):
+    def make(self, requests=()):
+        return S3FIFOPolicy()
+
+
+class TestBelady(PolicyContract):
+    def make(self, requests=()):
+        return BeladyPolicy([r.hash_ids for r in requests])
+
+
+class TestPrefixAdaptive(PolicyContract):
+    check_ancestors = True
+
+    def make(self, requests=()):
+        return PrefixAdaptivePolicy()
+
+
+# ------------------------------------------------------------------ registry, default
+def test_registry_and_default():
+    assert DEFAULT_POLICY in POLICIES
+    assert {"lru", "arc", "s3fifo", "prefix-adaptive"} <= set(POLICIES)
+    for name in POLICIES:
+        assert isinstance(make_policy(name), EvictionPolicy)
+    with pytest.raises(ValueError):
+        make_policy("nope")
+
+
+# ---------------------------------------------------------------- ours: prefix rules
+def _fill(p: EvictionPolicy, chains: Sequence[Sequence[int]]) -> None:
+    for chain in chains:
+        parent = None
+        for k in chain:
+            p.insert(k, parent, 1)
+            parent = k
+
+
+def test_evicts_chain_tails_before_shared_roots():
+    p = PrefixAdaptivePolicy()
+    # root 1 is shared by two chains; 1 is touched first in each request
+    _fill(p, [[1, 2, 3], [10, 11]])
+    for k in (1, 2, 3):
+        p.touch(k)
+    p.insert(4, 1, 1)   # second child of the shared root
+    order = []
+    while len(p):
+        v = p.victim()
+        order.append(v)
+        p.remove(v)
+    assert order.index(1) > order.index(2) and order.index(1) > order.index(4)
+    assert order.index(2) > order.index(3)
+    assert order.index(10) > order.index(11)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_never_evicts_an_ancestor_while_a_descendant_stays(seed):
+    trace = tree_trace(seed, n=600, docs=20)
+    checked = CheckedPolicy(PrefixAdaptivePolicy(), check_ancestors=True)
+    replay(trace, checked, capacity_blocks=25, hint_window_ms=2.0 if seed % 2 else None)
+    assert checked.victims > 100
+
+
+def test_refuses_a_block_whose_parent_is_absent():
+    p = PrefixAdaptivePolicy()
+    p.insert(1, None, 1)
+    assert not p.admit(99, 98, 1)           # 98 is not stored: 99 could never be hit
+    assert p.admit(2, 1, 1)
+
+
+def test_admission_refuses_one_off_keys_once_full():
+    """A full tier facing a flood of never-seen-again chains refuses many of them, and
+    never refuses a key it has seen before."""
+    p = PrefixAdaptivePolicy()
+    cap = 50
+    hot = [list(range(i * 5, i * 5 + 5)) for i in range(10)]          # 50 blocks
+    _fill(p, hot)
+    assert p.victim() is not None                                       # tier is full
+    refused = admitted = 0
+    nxt = 10_000
+    for rnd in range(40):
+        for chain in hot[: 3 + rnd % 7]:                                # hot reuse
+            for k in chain:
+                if k in p:
+                    p.touch(k)
+                else:
+                    p.miss(k, None)
+                    break
+        for _ in range(4):                                              # one-off chain
+            parent = None
+            for _ in range(3):
+                k, nxt = nxt, nxt + 1
+                if p.admit(k, parent, 1):
+                    admitted += 1
+                    while len(p) >= cap:
+                        p.remove(p.victim())
+                    p.insert(k, parent, 1)
+                    parent = k
+                else:
+                    refused += 1
+                    break
+    assert refused > 0.25 * (refused + admitted)
+    # a key seen before (a miss, then asked again) is never a first sighting
+    p.miss(777_777, None)
+    assert p.admit(777_777, None, 1)
+
+
+def test_hint_protects_present_keys_until_touched():
+    p = PrefixAdaptivePolicy()
+    cap = 20
+    _fill(p, [[k] for k in range(cap)])
+    assert p.victim() is not None
+    protected = [0, 1, 2]                     # the oldest: first in line otherwise
+    p.hint_upcoming(protected)
+    nxt = 100
+    for _ in range(cap // 2):
+        p.miss(nxt, None)
+        p.miss(nxt, None)                     # seen twice: passes the admission gate
+        if p.admit(nxt, None, 1):
+            while len(p) >= cap:
+                v = p.victim()
+                assert v not in protected
+                p.remove(v)
+            p.insert(nxt, None, 1)
+        nxt += 1
+    assert all(k in p for k in protected)
+    p.touch(0)                                # the queued request came: no longer pinned
+    p.hint_upcoming([])                       # queue is empty now: nothing pinned
+    for _ in range(3 * cap):
+        p.miss(nxt, None)
+        p.miss(nxt, None)
+        if p.admit(nxt, None, 1):
+            while len(p) >= cap:
+                p.remove(p.victim())
+            p.insert(nxt, None, 1)
+        nxt += 1
+    assert not any(k in p for k in protected)
+
+
+def test_everything_protected_still_yields_a_victim():
+    p = PrefixAdaptivePolicy()
+    _fill(p, [[1, 2, 3], [4, 5]])
+    p.hint_upcoming([1, 2, 3, 4, 5])
+    v = p.victim()
+    assert v in (3, 5)                        # a leaf, never an ancestor
+    p.remove(v)
+    assert len(p) == 4
+
+
+def test_orphans_go_first():
+    p = PrefixAdaptivePolicy()
+    _fill(p, [[1, 2], [3]])
+    p.insert(9, 8, 1)                         # store inserted without asking: 8 absent
+    assert p.victim() == 9
+
+
+def test_external_removal_of_an_inner_chunk():
+    p = PrefixAdaptivePolicy()
+    _fill(p, [[1, 2, 3]])
+    p.remove(2)                               # vanished behind our back (shared tier)
+    assert len(p) == 2
+    seen = set()
+    while len(p):
+        v = p.victim()
+        assert v not in seen
+        seen.add(v)
+        p.remove(v)
+    assert seen == {1, 3}
+    _fill(p, [[4, 5]])                        # slots are reused cleanly
+    assert p.victim() == 5
+
+
+# ---------------------------------------------------------------------- memory bound
+def measure_bytes_per_chunk(n: int = 50_000) -> float:
+    """Bytes traced per resident chunk (arrays, dict, sketch, doorkeeper, ghost), with
+    the tier at capacity ``n`` and churning; key objects are built before measuring
+    (a store owns its keys)."""
+    keys = list(range(10**9, 10**9 + 3 * n))
+    chain = 8
+    tracemalloc.start()
+    try:
+        p = PrefixAdaptivePolicy()
+        i = 0
+        while i < len(keys):
+            parent = None
+            for k in keys[i : i + chain]:
+                if p.admit(k, parent, 1):
+                    while len(p) >= n:
+                        p.remove(p.victim())
+                    p.insert(k, parent, 1)
+                    parent = k
+                else:
+                    break
+            i += chain
+        current, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return current / len(p)
+
+
+def test_memory_per_chunk_fits_ten_million_in_well_under_2_gb():
+    per_chunk = measure_bytes_per_chunk(50_000)
+    print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk "
+          f"-> {per_chunk * 10e6 / 2**30:.2f} GiB for 10 million")
+    assert per_chunk * 10_000_000 < 1.6 * 2**30
