@@ -220,6 +220,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     DISCOUNT = 0.005          # regret left after one cache size of ticks (LeCaR)
     SAMPLE_FACTOR = 10        # history ageing period, in capacities (TinyLFU)
     EXPLORE = 0.01            # floor on each arm's weight
+    FLOOR = True
     MIGRATE = 16              # index buckets moved per insert while the index grows
 
     def __init__(self) -> None:
@@ -484,7 +485,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     def _pick(self, which: int) -> int:
         """Stride scheduling over the learned weights: arm 0 or 1, deterministic."""
         w = self._w if which == 0 else self._g
-        acc = self._acc[which] + w[0]
+        acc = self._acc[which] + (1.0 - self.EXPLORE) * w[0] + self.EXPLORE / 2
         if acc >= 1.0:
             self._acc[which] = acc - 1.0
             return 0
@@ -496,8 +497,9 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         workload that changes phase can swing the weights back within a few regrets."""
         r = math.exp(math.log(self.DISCOUNT) * age / max(1, self._cap))
         w[arm] *= math.exp(-self.LEARNING_RATE * r)
-        lo = self.EXPLORE
-        w0 = min(1.0 - lo, max(lo, w[0] / (w[0] + w[1])))
+        w0 = w[0] / (w[0] + w[1])
+        if self.FLOOR:
+            w0 = min(1.0 - self.EXPLORE, max(self.EXPLORE, w0))
         w[0] = w0
         w[1] = 1.0 - w0
 
