@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .policy import POLICIES, EvictionPolicy, Key
 

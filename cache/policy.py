@@ -9,6 +9,12 @@ tool passes ``int`` block ids). Each chunk has an optional ``parent``: the key o
 chunk before it in the same token sequence. A chunk is worth nothing without its
 ancestors, which is what prefix-aware policies exploit.
 
+Modules: this one holds the contract (``EvictionPolicy``), ``LRUPolicy``, the
+``POLICIES`` registry and ``DEFAULT_POLICY``; ``cache/policy_prefix.py`` holds the
+recommended ``prefix-adaptive`` policy; ``cache/policies_ref.py`` holds the reference
+points ARC, S3-FIFO and the offline optimum Belady (replay only, not registered).
+``python -m cache.replay`` and ``bench/bench_policy.py`` compare them on a trace.
+
 Contract (checked by ``tests/test_policy.py`` against every policy):
 - ``insert`` is only called for keys not present, and only after ``admit`` said yes;
 - ``victim()`` names a present key (or ``None`` when empty) and does not remove it; the
@@ -56,7 +62,10 @@ class EvictionPolicy(ABC):
         """``key`` was looked up and not found (history for admission). Default: ignore."""
 
     def hint_upcoming(self, keys: Iterable[Key]) -> None:
-        """Keys that queued requests will need soon (protect them). Default: ignore."""
+        """Keys that queued requests will need soon (protect them). Default: ignore.
+
+        Call it with the keys of the requests waiting *now*; a call supersedes the
+        previous one (a request that left the queue needs no protection any more)."""
 
     @abstractmethod
     def __contains__(self, key: Key) -> bool: ...
@@ -102,11 +111,19 @@ DEFAULT_POLICY = "prefix-adaptive"
 from . import policies_ref, policy_prefix  # noqa: E402,F401
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """Build a policy by its configured name (``KVCACHE_POLICY``)."""
+def make_policy(name: str, *, last_tier: bool = True) -> EvictionPolicy:
+    """Build a policy by its configured name (``KVCACHE_POLICY``).
+
+    ``last_tier=False`` tells a policy that declares ``tier_aware`` that its victims are
+    demoted to a slower tier rather than dropped (a store's upper tiers); others ignore
+    it. The default suits a single tier, the last tier of a store, and the replay tool.
+    """
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
         ) from None
+    if getattr(cls, "tier_aware", False):
+        return cls(last_tier=last_tier)
+    return cls()

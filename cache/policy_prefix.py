@@ -5,8 +5,8 @@ store's lock. Nothing here blocks: every call is O(1) amortized (a few list spli
 hash-table probe, eight sketch/doorkeeper bytes, a bounded ghost-table probe), with no
 I/O and no sleeping. Growth of the key index is incremental (16 buckets moved per
 insert). The one periodic pass is TinyLFU's ageing of the sketch: two C-level passes
-(``bytes.translate`` and a fresh zeroed buffer) over ~8 bytes per chunk of capacity,
-once every 10x capacity accesses (tens of ms for a 10-million-chunk tier, i.e.
+(``bytes.translate`` and a fresh zeroed buffer) over 8-12 bytes per chunk of capacity,
+once every 10 sketch widths of accesses (tens of ms for a 10-million-chunk tier, i.e.
 amortized O(1)); the sketch and ghost are rebuilt empty (C-level allocations) when the
 learned capacity outgrows them, which only happens while the tier first fills.
 
@@ -22,21 +22,28 @@ What it does, and why:
    still checks the child count and parks a non-leaf, so the rule holds even when the
    store removes inner chunks behind our back.)
 2. **Two experts, weights learned online.** A recency expert (the list above) and a
-   frequency expert (one such list per log2-frequency level; a child's level is clamped
-   to its parent's, so the order stays prefix-safe) each name a victim. Which one
-   evicts is learned from regret, as in LeCaR (Vietri et al., HotStorage'18): an evicted
+   frequency expert (one such list per half-octave of estimated frequency; a child's
+   level is clamped to its parent's, so that order is prefix-safe too) each name a
+   victim. Which one evicts is learned from regret, as in LeCaR (Vietri et al.,
+   HotStorage'18): an evicted
    key enters a ghost table tagged with the expert that chose it; when it is asked for
    again, that expert's weight shrinks (by more the sooner it came back). A
    deterministic stride turns weights into decisions, so runs are reproducible.
 3. **Learned admission.** TinyLFU's history (a doorkeeper Bloom filter in front of a
-   count-min sketch of byte counters, halved every 10x capacity accesses) remembers
+   count-min sketch of byte counters, halved every 10 sketch widths of accesses, the
+   width being 1-1.5x the capacity) remembers
    keys beyond residency. When the tier is full, a chunk not seen before in that window
    is a *first sighting*; a second pair of weights learns whether to take first
    sightings or refuse them. One decision covers a whole new chain (its later blocks
    follow their parent) and is judged block by block: every refused block that comes
    back blames "refuse", every victim evicted to make room for an admitted first
-   sighting that comes back blames "admit". A chunk whose parent is absent is always
-   refused: it could never be hit.
+   sighting that comes back blames "admit". The rest of a refused chain is refused
+   with it, and a chunk whose parent had to be evicted to make room for it is stored
+   at the eviction end and ends its chain: neither could be hit here. A chunk whose
+   parent was simply never here is judged like any other: in a tiered store the parent
+   may sit in a faster tier (leaf-first eviction demotes tails before roots).
+   A store's upper tiers (``last_tier=False``) skip all of this and take every chunk:
+   what they evict is demoted, and admission is the business of the tier below.
 4. **Queue hints.** ``hint_upcoming`` states what the waiting requests will look up:
    present keys are protected (a protected victim candidate, and any ancestor of one,
    is parked out of the lists instead of evicted), absent ones pass the admission gate
@@ -44,15 +51,17 @@ What it does, and why:
 
 Nothing is fitted to a trace: the constants are the published defaults of the
 mechanisms above (LeCaR's learning rate 0.45 and discount 0.005 over one cache size,
-TinyLFU's sample size of 10x capacity), a 1 % floor on each arm's weight so neither
-is starved of evidence and a phase change can swing them back, and table load factors.
+TinyLFU's sample size of 10x its width), a 1 % share of decisions spread evenly over
+the arms so neither is starved of evidence, and table load factors. Weights start
+even (no prior favouring either arm).
 
 The capacity is not given: it is learned as the largest resident count seen (what the
 store holds when it starts asking for victims). ``size`` is ignored: a tier's chunks
-have one size per model. Memory per resident chunk: 36 bytes of per-slot arrays, a
-4-byte index bucket at load <= 1/2, a list slot, about 8 bytes of sketch and
-doorkeeper and 16 of ghost table, and no key object of its own (the store owns keys;
-evicted keys are remembered by fingerprint). ``tests/test_policy.py`` measures it.
+have one size per model. Memory per resident chunk: 32 bytes of per-slot arrays and an
+8-byte list slot, 8-16 bytes of key index (open addressing, load <= 1/2), 8-12 of
+sketch and doorkeeper, 16-24 of ghost table, and no key object of its own (the store
+owns keys; evicted keys are remembered by fingerprint): about 86 bytes in all, i.e.
+under 1 GiB for 10 million chunks. ``tests/test_policy.py`` measures it.
 """
 
 from __future__ import annotations
@@ -68,7 +77,8 @@ _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _HALVE = bytes(v >> 1 for v in range(256))  # translate table: halve every counter
 
-_R = 16                       # level sentinels (live levels span at most 9)
+_R = 32                       # level sentinels (live levels span at most 18)
+_SPAN = 18                    # half-octave levels of an estimate in 1..256
 _LRU = 0                      # slot of the recency list's sentinel
 _FIRST = 1 + _R               # first slot for a chunk; slot 0 also means "none"
 
@@ -216,14 +226,20 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     """Prefix-ordered recency/frequency experts with learned weights and admission."""
 
     name = "prefix-adaptive"
+    tier_aware = True         # make_policy passes ``last_tier``
     LEARNING_RATE = 0.45      # LeCaR's default
     DISCOUNT = 0.005          # regret left after one cache size of ticks (LeCaR)
     SAMPLE_FACTOR = 10        # history ageing period, in capacities (TinyLFU)
-    EXPLORE = 0.01            # floor on each arm's weight
-    FLOOR = True
+    EXPLORE = 0.01            # share of decisions spread evenly over the arms
     MIGRATE = 16              # index buckets moved per insert while the index grows
 
-    def __init__(self) -> None:
+    def __init__(self, last_tier: bool = True) -> None:
+        """``last_tier``: chunks this tier evicts or refuses are gone (a single tier, the
+        last tier of a store, the replay tool). With ``False`` its victims are demoted to
+        a slower tier, so it stores every chunk it is offered (the tier below decides
+        what is worth keeping) and keeps a chunk whose parent it demoted: the parent
+        still serves from below."""
+        self._last_tier = last_tier
         n = _FIRST
         self._keys: List[Optional[Key]] = [None] * n
         self._h32 = array("I", [0] * n)
@@ -260,8 +276,12 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         self._g = [0.5, 0.5]        # first sightings: admit, refuse
         self._acc = [0.0, 0.0]      # stride accumulators for the two choices
         self._last_miss = -1        # hash counted by miss(), not to be counted again
+        self._last_est = (-1, 0)    # (hash, estimate) from the last admit()
         self._gate_last: Optional[Key] = None     # last key let in by a gate "admit"
         self._gate_refused: Optional[Key] = None  # last key refused with its chain
+        self._refused_by_gate = False             # ... by the gate (not by an eviction)
+        self._evicted: List[int] = []             # slots evicted since the last admit
+        self._orphan: Optional[Key] = None        # last chunk stored after its parent went
         self._blame = False         # next eviction makes room for a first sighting
         self._full = False          # the store has asked for a victim at least once
         self._victim = 0            # cached victim slot (valid until the next change)
@@ -385,12 +405,17 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         self._tick += 1
         hist = self._hist
         est = hist.add(h)
-        if self._epoch_base + hist.resets != self._epoch:
-            self._age_levels(self._epoch_base + hist.resets)
+        if self._epoch_base + 2 * hist.resets != self._epoch:
+            self._age_levels(self._epoch_base + 2 * hist.resets)   # halving = 2 levels
         return est
 
     def _level_of(self, est: int, pslot: int) -> int:
-        lvl = self._epoch + (est.bit_length() - 1 if est > 0 else 0)
+        """Absolute frequency level: floor(2 log2 est) above the current floor, clamped
+        to the parent's level so the frequency order stays prefix-safe."""
+        lvl = self._epoch
+        if est > 1:
+            b = est.bit_length() - 1
+            lvl += 2 * b + (1 if est * est >= 1 << (2 * b + 1) else 0)
         if pslot:
             plvl = self._level[pslot]
             if plvl < self._epoch:
@@ -400,7 +425,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         return lvl
 
     def _age_levels(self, epoch: int) -> None:
-        """Counters were halved: fold the level list below the new floor into it."""
+        """Counters were halved: fold each level list below the new floor into it."""
         fp, fn = self._fprev, self._fnext
         while self._epoch < epoch:
             src = 1 + self._epoch % _R
@@ -428,7 +453,8 @@ class PrefixAdaptivePolicy(EvictionPolicy):
 
     # ----------------------------------------------------------------- list splicing
     def _place(self, slot: int, orphan: bool = False) -> None:
-        """Link ``slot``: behind its parent, at the protected end, or (orphan) first out."""
+        """Link ``slot`` right behind its parent, or at the protected end without one;
+        an orphan goes to the eviction end."""
         lp, ln, fp, fn = self._lprev, self._lnext, self._fprev, self._fnext
         p = self._parent[slot]
         p_linked = p > 0 and lp[p] >= 0
@@ -474,7 +500,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     def _lowest_level_head(self) -> int:
         fn = self._fnext
         base = self._epoch
-        for lvl in range(base, base + 9):
+        for lvl in range(base, base + _SPAN):
             sent = 1 + lvl % _R
             head = fn[sent]
             if head != sent:
@@ -493,15 +519,13 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         return 1
 
     def _penalise(self, w: List[float], arm: int, age: int) -> None:
-        """Multiplicative-weights update, then a floor on each arm (fixed share), so a
-        workload that changes phase can swing the weights back within a few regrets."""
+        """LeCaR's update: shrink the arm that erred, by more the sooner its victim (or
+        refused key) came back; ``age`` is in ticks, the discount spans one capacity."""
         r = math.exp(math.log(self.DISCOUNT) * age / max(1, self._cap))
         w[arm] *= math.exp(-self.LEARNING_RATE * r)
-        w0 = w[0] / (w[0] + w[1])
-        if self.FLOOR:
-            w0 = min(1.0 - self.EXPLORE, max(self.EXPLORE, w0))
-        w[0] = w0
-        w[1] = 1.0 - w0
+        s = w[0] + w[1]
+        w[0] /= s
+        w[1] /= s
 
     def _regret(self, h: int) -> None:
         hit = self._ghost.pop(h, self._tick)
@@ -531,13 +555,22 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             est = self._count(h)
             self._regret(h)
         self._last_miss = -1
-        if parent is not None and not self._slot_of(parent):
+        self._last_est = (h, est)
+        if parent is not None:
             if parent == self._gate_refused:
-                self._ghost.put(h, _REFUSED, self._tick)   # refused with its chain
+                # the rest of a chain refused here: it could never be hit here
+                if self._refused_by_gate:
+                    self._ghost.put(h, _REFUSED, self._tick)
                 self._gate_refused = key
-            return False                    # could never be hit: its prefix is gone
-        if not self._full or self._n < self._cap:
-            return True                     # room to spare
+                return False
+            if parent == self._orphan and not self._slot_of(parent):
+                # its parent lost its own parent to an eviction here and went first
+                self._gate_refused = key
+                self._refused_by_gate = False
+                return False
+        self._evicted = []
+        if not self._full or self._n < self._cap or not self._last_tier:
+            return True                     # room to spare, or a tier below to decide
         if parent is not None and parent == self._gate_last:
             self._gate_last = key           # rest of a chain the gate let in
             self._blame = True
@@ -550,6 +583,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             self._ghost.put(h, _REFUSED, self._tick)
             self._gate_last = None
             self._gate_refused = key
+            self._refused_by_gate = True
             return False
         self._blame = True
         self._gate_last = key
@@ -560,6 +594,11 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         if slot:
             return
         pslot = self._slot_of(parent) if parent is not None else 0
+        # Its parent was evicted to make room for it: it can never be hit here, so it
+        # goes first and its chain stops here. (A parent that was never here may sit in
+        # a faster tier: then it is stored as a root.)
+        orphan = (parent is not None and not pslot and self._evicted
+                  and self._last_tier and self._evicted_parent(parent))
         slot = self._free.pop() if self._free else self._new_slot()
         self._keys[slot] = key
         self._h32[slot] = h & _M32
@@ -570,8 +609,12 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         self._nchild[slot] = 0
         if pslot:
             self._nchild[pslot] += 1
-        self._level[slot] = self._level_of(self._hist.estimate(h), pslot)
-        self._place(slot, orphan=parent is not None and not pslot)
+        le = self._last_est
+        est = le[1] if le[0] == h else self._hist.estimate(h)
+        self._level[slot] = self._level_of(est, pslot)
+        self._place(slot, orphan)
+        if orphan:
+            self._orphan = key
         if self._expect:
             until = self._expect.pop(h, -1)
             if until > self._tick:
@@ -605,6 +648,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             if code:
                 self._ghost.put(h, code, self._tick)
             self._blame = False
+            self._evicted.append(slot)
         self._victim = 0
         self._index_del(slot)
         self._memo_remove(slot)
@@ -652,7 +696,12 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             slot = self._unpark_oldest()
             self._victim_code = _NONE
         self._victim = slot
-        return self._keys[slot] if slot else None
+        if not slot:
+            return None
+        key = self._keys[slot]
+        self._pk, self._ph, self._ps = self._mk, self._mh, self._ms
+        self._mk, self._mh, self._ms = key, _mix(key), slot   # remove(key) comes next
+        return key
 
     def hint_upcoming(self, keys: Iterable[Key]) -> None:
         """``keys`` are what the requests waiting *now* will look up.
@@ -689,6 +738,13 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         return self._n
 
     # ------------------------------------------------------------------ helpers
+    def _evicted_parent(self, parent: Key) -> bool:
+        """Whether ``parent`` was one of the chunks just evicted for this insert (their
+        slots are free but still hold nothing else yet)."""
+        h32 = _mix(parent) & _M32
+        hs = self._h32
+        return any(hs[s] == h32 for s in self._evicted)
+
     def _new_slot(self) -> int:
         slot = len(self._keys)
         self._keys.append(None)

@@ -14,10 +14,11 @@ of ``capacity_blocks`` chunks:
 Token hit ratio = sum(min(hit_blocks * 512, input_length)) / sum(input_length).
 
 Optional queue hints (``--hint-window-ms W``): before request *i* is served, the keys of
-requests *j > i* with ``timestamp_j <= timestamp_i + W`` are passed to ``hint_upcoming``.
-Those requests have arrived (or arrive within ``W`` ms) while request *i* is scheduled, so
-an engine would see them in its waiting queue; ``W = 0`` means exactly the requests that
-arrived at the same instant. Off by default: the main numbers use no hints.
+requests *j > i* with ``timestamp_j <= timestamp_i + W`` are passed to ``hint_upcoming``
+(one call per request, describing the queue as it is then). Those requests have arrived,
+or arrive within ``W`` ms, while request *i* is scheduled and prefilled, so an engine
+would hold them in its waiting queue; ``W = 0`` means exactly the requests that arrived at
+the same instant. Off by default: the main numbers use no hints.
 
 Trace format (one JSON object per line): ``timestamp`` (ms), ``input_length`` (tokens),
 ``output_length``, ``hash_ids`` (512-token prefix block ids).
@@ -67,16 +68,27 @@ def distinct_blocks(requests: Iterable[Request]) -> int:
     return len(seen)
 
 
+def capacity_for_fraction(requests: Sequence[Request], fraction: float) -> int:
+    """Capacity in blocks for a fraction of the trace's distinct blocks (rounded down,
+    as in the trace README: 2 % of 43,924 is 878)."""
+    return max(1, int(fraction * distinct_blocks(requests)))
+
+
 def policy_names() -> List[str]:
-    """Every name ``--policy`` accepts: the online registry plus the offline optimum."""
-    return sorted(POLICIES) + ["belady"]
+    """Every name ``--policy`` accepts: the online registry, the offline optimum, and
+    ``ours`` (an alias of the recommended default)."""
+    return sorted(POLICIES) + ["belady", "ours"]
 
 
-def build_policy(name: str, requests: Sequence[Request]) -> EvictionPolicy:
-    """Online policies come from the registry; ``belady`` is built with the future."""
+def build_policy(
+    name: str, requests: Sequence[Request], capacity_blocks: Optional[int] = None
+) -> EvictionPolicy:
+    """Online policies come from the registry; ``belady`` is built with the future (and
+    the capacity, so it can bypass blocks whose next use is farther than every
+    resident one's, as MIN does)."""
     if name == "belady":
-        return BeladyPolicy([r.hash_ids for r in requests])
-    return make_policy(name)
+        return BeladyPolicy([r.hash_ids for r in requests], capacity=capacity_blocks)
+    return make_policy(DEFAULT_POLICY if name == "ours" else name)
 
 
 @dataclass
@@ -196,8 +208,9 @@ def run(
     hint_window_ms: Optional[float] = None,
 ) -> ReplayResult:
     """Build ``policy_name`` fresh and replay ``requests`` through it."""
-    pol = build_policy(policy_name, requests)
-    return replay(requests, pol, capacity_blocks, hint_window_ms, name=policy_name)
+    pol = build_policy(policy_name, requests, capacity_blocks)
+    name = DEFAULT_POLICY if policy_name == "ours" else policy_name
+    return replay(requests, pol, capacity_blocks, hint_window_ms, name=name)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -232,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.capacity_blocks is not None:
         capacity = args.capacity_blocks
     else:
-        capacity = max(1, round(args.capacity_fraction * distinct_blocks(requests)))
+        capacity = capacity_for_fraction(requests, args.capacity_fraction)
     res = run(requests, args.policy, capacity, args.hint_window_ms)
     if args.json:
         print(json.dumps(res.as_dict()))

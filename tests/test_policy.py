@@ -251,11 +251,25 @@ def test_never_evicts_an_ancestor_while_a_descendant_stays(seed):
     assert checked.victims > 100
 
 
-def test_refuses_a_block_whose_parent_is_absent():
+def test_refuses_the_rest_of_a_refused_chain_but_not_other_orphans():
     p = PrefixAdaptivePolicy()
-    p.insert(1, None, 1)
-    assert not p.admit(99, 98, 1)           # 98 is not stored: 99 could never be hit
-    assert p.admit(2, 1, 1)
+    _fill(p, [[k] for k in range(10)])
+    assert p.victim() is not None             # full
+    refused = None
+    nxt = 1000
+    while refused is None:                    # first sightings: the gate refuses some
+        if not p.admit(nxt, None, 1):
+            refused = nxt
+        else:
+            while len(p) >= 10:
+                p.remove(p.victim())
+            p.insert(nxt, None, 1)
+        nxt += 1
+    assert not p.admit(nxt, refused, 1)       # its child could never be hit here
+    assert not p.admit(nxt + 1, nxt, 1)       # nor its grandchild
+    p.miss(5000, None)
+    p.miss(5000, None)                        # seen before, parent in another tier
+    assert p.admit(5000, 4999, 1)
 
 
 def test_admission_refuses_one_off_keys_once_full():
@@ -337,11 +351,49 @@ def test_everything_protected_still_yields_a_victim():
     assert len(p) == 4
 
 
-def test_orphans_go_first():
+def test_a_chunk_whose_parent_was_evicted_for_it_goes_first_and_ends_its_chain():
     p = PrefixAdaptivePolicy()
-    _fill(p, [[1, 2], [3]])
-    p.insert(9, 8, 1)                         # store inserted without asking: 8 absent
-    assert p.victim() == 9
+    _fill(p, [[1, 2]])
+    assert p.admit(3, 2, 1)
+    v = p.victim()
+    assert v == 2                             # the chain tail: the only leaf
+    p.remove(v)
+    p.insert(3, 2, 1)                         # its parent is gone: worthless here
+    assert p.victim() == 3
+    p.remove(3)
+    assert not p.admit(4, 3, 1)               # and so is the rest of the chain
+
+
+def test_upper_tier_takes_everything_and_keeps_chains_across_tiers():
+    """``last_tier=False`` (a store's DRAM above a disk tier): a chain longer than the
+    tier goes in whole, its oldest part is what gets demoted, nothing is refused."""
+    p = make_policy(DEFAULT_POLICY, last_tier=False)
+    assert isinstance(p, PrefixAdaptivePolicy)
+    assert isinstance(make_policy("lru", last_tier=False), LRUPolicy)
+    cap, demoted, parent = 4, [], None
+    for k in range(8):
+        assert p.admit(k, parent, 1)
+        while len(p) >= cap:
+            v = p.victim()
+            demoted.append(v)
+            p.remove(v)
+        p.insert(k, parent, 1)
+        parent = k
+    assert sorted(demoted) == [0, 1, 2, 3] and sorted(k for k in range(8) if k in p) == [4, 5, 6, 7]
+    for k in range(100, 300):                 # a flood of first sightings: all admitted
+        assert p.admit(k, None, 1)
+        while len(p) >= cap:
+            p.remove(p.victim())
+        p.insert(k, None, 1)
+
+
+def test_demoted_tail_whose_parent_is_in_a_faster_tier():
+    """A lower tier receives chain tails first; they are stored as roots here."""
+    p = PrefixAdaptivePolicy()
+    p.insert(3, 2, 1)                         # 2 lives in the tier above
+    p.insert(2, 1, 1)
+    assert len(p) == 2
+    assert p.victim() in (2, 3)
 
 
 def test_external_removal_of_an_inner_chunk():
@@ -361,7 +413,7 @@ def test_external_removal_of_an_inner_chunk():
 
 
 # ---------------------------------------------------------------------- memory bound
-def measure_bytes_per_chunk(n: int = 50_000) -> float:
+def measure_bytes_per_chunk(n: int = 20_000) -> float:
     """Bytes traced per resident chunk (arrays, dict, sketch, doorkeeper, ghost), with
     the tier at capacity ``n`` and churning; key objects are built before measuring
     (a store owns its keys)."""
@@ -389,7 +441,7 @@ def measure_bytes_per_chunk(n: int = 50_000) -> float:
 
 
 def test_memory_per_chunk_fits_ten_million_in_well_under_2_gb():
-    per_chunk = measure_bytes_per_chunk(50_000)
+    per_chunk = measure_bytes_per_chunk(20_000)
     print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk "
           f"-> {per_chunk * 10e6 / 2**30:.2f} GiB for 10 million")
     assert per_chunk * 10_000_000 < 1.6 * 2**30
