@@ -116,12 +116,14 @@ class SchedulerSide:
         st = self._state(request)
         st.pending_load = None
         keys = [c.key for c in st.lookup]
-        found = min(len(v.lookup(keys)) for v in self.views) if self.views else 0
+        # One lookup per rank's view; a chunk counts when every rank has it, and it
+        # loads from the slowest tier any rank holds it in.
+        per_view = [v.lookup(keys) for v in self.views]
+        found = min(map(len, per_view)) if per_view else 0
         if (found < len(keys) and st.lookup[-1].end > num_computed_tokens
                 and self._awaiting_shared(st, keys[found:])):
             return None, False  # ask again at the next step
-        tiers = [max(v.lookup([c.key for c in st.lookup[:found]])[i] for v in self.views)
-                 for i in range(found)] if found else []
+        tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
         if not found or st.lookup[found - 1].end <= num_computed_tokens:
             return 0, False
         hit_end = st.lookup[found - 1].end
