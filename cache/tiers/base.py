@@ -57,8 +57,9 @@ class Tier(ABC):
         """Remove ``key``; returns the bytes freed (0 if it was already gone)."""
 
     @abstractmethod
-    def reserve(self, nbytes: int) -> bool:
-        """Claim ``nbytes`` of capacity for a coming write; False when it does not fit."""
+    def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
+        """Claim ``nbytes`` of capacity for a coming write (of ``key``, when given: the
+        tier may tie the claim to it); False when it does not fit."""
 
     @abstractmethod
     def release(self, nbytes: int) -> None:

@@ -14,8 +14,11 @@ A crash leaves at most a temporary file, which ``scan`` removes, and a reservati
 ``scan`` recounts. Damaged files are caught by the entry checksum on read.
 
 Capacity is shared by every process using the folder: ``reserve`` and ``delete`` update
-``ROOT/.usage`` under an exclusive ``flock`` (microseconds). Methods that touch the disk
-block; the store calls them from I/O threads. ``contains`` is one ``stat``.
+``ROOT/.usage`` under an exclusive ``flock`` (microseconds), and every step that changes
+what ``scan`` would count (a claim's temporary file appearing, the link into place, an
+unlink) happens under that lock with its ``.usage`` update, so a recount by any process
+at any moment agrees with the counter. Methods that touch the disk block; the store
+calls them from I/O threads. ``contains`` is one ``stat``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class FileTier(Tier):
         self.use_mmap = use_mmap
         os.makedirs(self.folder, exist_ok=True)
         self._host = socket.gethostname()
+        self._claims: dict[str, str] = {}  # key -> its reserved temporary file
         self._lock_path = os.path.join(root, ".lock")
         self._usage_path = os.path.join(root, ".usage")
         for p in (self._lock_path, self._usage_path):
@@ -91,13 +95,27 @@ class FileTier(Tier):
         usage.write(_USAGE.pack(max(0, value)))
         usage.flush()
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
+        """With ``key``, the claim is also a temporary file named after it, created under
+        the folder lock: a ``scan`` by another process at any moment counts it (a claim
+        only in ``.usage`` would be lost to that recount)."""
+        tmp = None
+        if key is not None:
+            final = self.path(key)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = self._tmp_name(final, nbytes)
         with self._locked_usage() as usage:
             used = self._get(usage)
             if used + nbytes > self.capacity:
                 return False
+            if tmp is not None:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                self._claims[key] = tmp
             self._put(usage, used + nbytes)
             return True
+
+    def _tmp_name(self, final: str, nbytes: int) -> str:
+        return f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
 
     def release(self, nbytes: int) -> None:
         with self._locked_usage() as usage:
@@ -137,11 +155,14 @@ class FileTier(Tier):
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self.path(key)
-        tmp = f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
-        published = False
+        tmp = self._claims.pop(key, None)
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            if tmp is None:  # reserved without a key: the temporary file starts here
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                tmp = self._tmp_name(final, nbytes)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            else:
+                fd = os.open(tmp, os.O_WRONLY)
             try:
                 views = [memoryview(p).cast("B") for p in parts]
                 while views:
@@ -153,31 +174,42 @@ class FileTier(Tier):
                         views[0] = views[0][n:]
             finally:
                 os.close(fd)
-            try:
-                os.link(tmp, final)
-                published = True
-            except FileExistsError:
-                pass
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
-                raise
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            self._settle(tmp, final, nbytes, publish=False)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+                return False
+            raise
+        return self._settle(tmp, final, nbytes, publish=True)
+
+    def _settle(self, tmp: Optional[str], final: str, nbytes: int, publish: bool) -> bool:
+        """Under the folder lock: link ``tmp`` into place (if ``publish``), remove it, and
+        give the claim back unless published; a recount never sees a half-done step."""
+        published = False
+        with self._locked_usage() as usage:
+            if publish and tmp is not None:
+                try:
+                    os.link(tmp, final)
+                    published = True
+                except FileExistsError:
+                    pass
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
             if not published:
-                self.release(nbytes)
+                self._put(usage, self._get(usage) - nbytes)
         return published
 
     def delete(self, key: str) -> int:
         path = self.path(key)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            return 0
-        self.release(size)
+        with self._locked_usage() as usage:  # unlink and recount as one step for ``scan``
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                return 0
+            self._put(usage, self._get(usage) - size)
         return size
 
     def scan(self) -> Iterator[tuple[str, int]]:

@@ -47,7 +47,7 @@ class MemoryTier(Tier):
             self._used -= len(data)
             return len(data)
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
         with self._lock:
             if self.capacity is not None and self._used + nbytes > self.capacity:
                 return False

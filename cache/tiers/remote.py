@@ -431,7 +431,7 @@ class RemoteTier(Tier):
             self._used = max(0, self._used - size)
         return size
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
         return True  # the backend enforces its quota
 
     def release(self, nbytes: int) -> None:
