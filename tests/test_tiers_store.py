@@ -69,6 +69,20 @@ class TestFileTier(TierContract):
         assert dict(t.scan()) == {KEY: 5}
         assert t.used_bytes() == 5 and not os.path.exists(debris)
 
+    def test_a_recount_by_another_process_keeps_claims_in_flight(self, tmp_path):
+        """Another engine's ``scan`` between our reserve and write must not forget the
+        claim (the folder would then go over its bound)."""
+        ours, theirs = self.make(tmp_path, 100), self.make(tmp_path, 100)
+        other = "cd" * 16
+        assert ours.reserve(40, other)
+        assert dict(theirs.scan()) == {} and theirs.used_bytes() == 40
+        assert not theirs.reserve(70)
+        assert ours.write(other, [b"x" * 40], 40)
+        assert dict(theirs.scan()) == {other: 40} and theirs.used_bytes() == 40
+        # the second writer of a key: its claim and temporary file go away
+        assert theirs.reserve(40, other) and not theirs.write(other, [b"y" * 40], 40)
+        assert dict(ours.scan()) == {other: 40} and ours.used_bytes() == 40
+
 
 class TestMmapFileTier(TestFileTier):
     def make(self, tmp_path, capacity):
@@ -105,6 +119,24 @@ def test_longest_prefix_promotion_demotion_and_bounds(tmp_path):
     s.check()
     assert s.tiers[0].used_bytes() <= 4 * 1300
     s.close()
+
+
+def test_every_put_reports_when_it_settles(tmp_path):
+    """``on_done`` fires once per put: stored, refused (larger than every tier) or
+    dropped (queue full), so the scheduler never waits for a write that will not come."""
+    keys = chunk_keys(NS, list(range(3 * 16)), 16)
+    settled = []
+    s = store(tmp_path, disk=4 * 1300)
+    assert s.put(keys[0], None, "uint8", (1000,), payload(0), on_done=settled.append)
+    huge = np.zeros(6000, np.uint8)  # larger than either tier: refused
+    assert s.put(keys[1], keys[0], "uint8", huge.shape, huge, on_done=settled.append)
+    assert s.flush(10)
+    assert settled == keys[:2] and s.lookup(keys) == [0]
+    s.close()
+    tight = store(tmp_path / "b", max_pending_bytes=500)  # no room in the write queue
+    assert not tight.put(keys[2], None, "uint8", (1000,), payload(2), on_done=settled.append)
+    assert settled == keys and tight.stats.dropped_writes == 1
+    tight.close()
 
 
 def test_restart_rebuilds_from_disk(tmp_path):
