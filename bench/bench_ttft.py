@@ -11,7 +11,8 @@ prompt size (random token ids, distinct per size, scenario and run) it measures 
 median TTFT (``LLM.generate``, ``max_tokens=1``) of:
 
   cold            no cache anywhere (our connector on, nothing stored yet)
-  l0              vLLM's own prefix cache (same prompt again)
+  l0              vLLM's own prefix cache (same prompt again; our connector told not to
+                  load, ``kvcache_load: false``, so it does not top up the last block)
   ours-dram       vLLM prefix cache reset, our DRAM tier serves the prompt
   ours-disk       DRAM tier off, our disk tier serves it, page cache dropped first
   lmcache-dram    LMCache (multiprocess connector, own server) L1 hit
@@ -20,8 +21,9 @@ median TTFT (``LLM.generate``, ``max_tokens=1``) of:
   example-disk    the same, page cache dropped
 
 Floors: ``dram floor = l0 + KV bytes / memcpy bandwidth`` and ``disk floor = l0 + KV
-bytes / cold-read bandwidth``, where the KV bytes are those of the tokens a hit can
-load (the prompt less its last, partial block, which every hit recomputes, as l0 does).
+bytes / cold-read bandwidth``, where the KV bytes are those of the tokens our hit
+loads (the prompt less its last token; vLLM's own prefix cache, l0, stops at the last
+whole block and recomputes the rest, so a floor built on l0 is a generous one at 1K).
 Then the throughput of a no-reuse batch with and without our connector (two engines
 alive at once, rounds alternated).
 
@@ -114,8 +116,14 @@ class Bench:
 
     @staticmethod
     def loadable(size: int, unit: int = BLOCK) -> int:
-        """Tokens a hit can load: the prompt less its last token, in whole units."""
+        """Tokens a hit can load in whole ``unit``s (vLLM's prefix cache: blocks): the
+        prompt less its last token, rounded down."""
         return (size - 1) // unit * unit
+
+    @staticmethod
+    def ours(size: int) -> int:
+        """Tokens our hit loads: all but the last, which vLLM computes for its logits."""
+        return size - 1
 
     def row(self, scenario: str, size: int) -> Row:
         return self.rows.setdefault((scenario, size), Row(scenario, size))
@@ -131,9 +139,12 @@ class Bench:
         log(f"[{name}] engine up in {e.start_seconds:.0f}s")
         return e
 
-    def ttft(self, e: EngineProcess, prompt: list[int], reset: bool) -> dict:
+    def ttft(self, e: EngineProcess, prompt: list[int], reset: bool, ours: bool = True) -> dict:
+        """One timed request; ``ours=False`` asks our connector not to load (vLLM's own
+        prefix cache alone: the l0 rows of our engines)."""
         time.sleep(SETTLE_S)
-        return e.call(op="ttft", prompt=prompt, reset=reset)
+        extra = {} if ours else {"kv_transfer_params": {"kvcache_load": False}}
+        return e.call(op="ttft", prompt=prompt, reset=reset, **extra)
 
     def record(self, scenario: str, size: int, r: dict, hit: int, **detail) -> None:
         row = self.row(scenario, size)
@@ -220,7 +231,7 @@ class Bench:
                 w = self.prompt("ours-dram-warm", size)
                 self.ttft(e, w, reset=False)
                 self.ttft(e, w, reset=False)
-                self.ours_loaded(self.ttft(e, w, reset=True), "dram", self.loadable(size))
+                self.ours_loaded(self.ttft(e, w, reset=True), "dram", self.ours(size))
             for size in self.sizes:
                 prompts = [self.prompt("ours-cold", size, i) for i in range(self.repeats)]
                 for p in prompts:
@@ -235,8 +246,8 @@ class Bench:
                 for i in range(self.hit_repeats):
                     p = prompts[i % len(prompts)]
                     r = self.ttft(e, p, reset=True)
-                    self.record("ours-dram", size, r, self.ours_loaded(r, "dram", self.loadable(size)))
-                    r = self.ttft(e, p, reset=False)
+                    self.record("ours-dram", size, r, self.ours_loaded(r, "dram", self.ours(size)))
+                    r = self.ttft(e, p, reset=False, ours=False)
                     self.record("l0", size, r, self.peer_hit(r, self.loadable(size), "l0"))
                     if r.get("kv_transfer_params"):
                         raise AssertionError(f"l0 hit also loaded from our tiers: {r['kv_transfer_params']}")
@@ -254,8 +265,8 @@ class Bench:
                 for i in range(1 + self.hit_repeats):  # the first pair is a warm-up
                     self.drop(disk, "ours-disk", size)
                     r = self.ttft(e, p, reset=True)
-                    hit = self.ours_loaded(r, "disk", self.loadable(size))
-                    r0 = self.ttft(e, p, reset=False)
+                    hit = self.ours_loaded(r, "disk", self.ours(size))
+                    r0 = self.ttft(e, p, reset=False, ours=False)
                     hit0 = self.peer_hit(r0, self.loadable(size), "l0 (disk engine)")
                     if i:
                         self.record("ours-disk", size, r, hit, resident_after_drop=self.checks[-1]["resident_after"])
@@ -363,7 +374,7 @@ class Bench:
     def measure_floors(self) -> None:
         self.bandwidth = {}
         for size in self.sizes:
-            nbytes = self.loadable(size) * self.bytes_per_token
+            nbytes = self.ours(size) * self.bytes_per_token
             self.bandwidth[size] = {
                 "kv_bytes": nbytes,
                 "dram": pagecache.dram_bandwidth(nbytes),
@@ -502,7 +513,7 @@ def markdown(result: dict) -> str:
             f"{fmt(r['floor_ms'])}{' (' + r['floor_kind'] + ')' if r['floor_kind'] else ''} | "
             f"{fmt(r['vs_floor'], '.2f')} | {fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} |")
     lines += ["", "Floors: `l0 + KV bytes / bandwidth`; bandwidths measured on this machine:", "",
-              "| prompt tokens | KV MiB (loadable) | memcpy GB/s | cold disk read GB/s |",
+              "| prompt tokens | KV MiB (our hit) | memcpy GB/s | cold disk read GB/s |",
               "| ---: | ---: | ---: | ---: |"]
     for size, b in result["bandwidth"].items():
         lines.append(f"| {size} | {b['kv_bytes'] / 2**20:.1f} | {b['dram']['best'] / 1e9:.2f} | "

@@ -63,7 +63,7 @@ def profile(tier: str, sizes: list[int], repeats: int, work: str, model: str) ->
                 time.sleep(0.3)
                 r0 = e.call(op="ttft", prompt=prompt, reset=False)
                 loaded = (r.get("kv_transfer_params") or {}).get("kvcache_loaded_tokens")
-                if loaded != {tier: (size - 1) // BLOCK * BLOCK}:
+                if loaded != {tier: size - 1}:
                     raise AssertionError(f"{tier} {size}: loaded {loaded}")
                 if i == 0:
                     continue  # warm-up
@@ -83,7 +83,7 @@ def profile(tier: str, sizes: list[int], repeats: int, work: str, model: str) ->
                     "async_round_trip": rt[0]["ms"] if rt else 0.0,
                 })
             out[size] = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-            kv_mib = (size - 1) // BLOCK * BLOCK * Bench.bytes_per_token_of(MODEL_SHAPE) / 2**20
+            kv_mib = (size - 1) * Bench.bytes_per_token_of(MODEL_SHAPE) / 2**20
             print(f"{tier} {size} tokens ({kv_mib:.0f} MiB), median of {repeats} (ms): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in out[size].items()), flush=True)
     return out

@@ -7,7 +7,8 @@ given in argv (stdout and stderr stay free for vLLM's logs).
 
 Commands::
 
-    {"op": "ttft", "prompt": [ids], "reset": bool}    one request, max_tokens=1:
+    {"op": "ttft", "prompt": [ids], "reset": bool, "kv_transfer_params": {...}?}
+        one request, max_tokens=1 (our connector reads ``kvcache_load: false``):
         {"seconds", "num_cached_tokens", "kv_transfer_params", "token_ids"}
     {"op": "batch", "prompts": [[ids]...], "max_tokens": N}   all submitted at once:
         {"seconds", "prompt_tokens", "output_tokens"}
@@ -69,8 +70,12 @@ def main() -> None:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache refused (requests still running?)")
         if op == "ttft":
+            params = first
+            if cmd.get("kv_transfer_params"):
+                params = SamplingParams(max_tokens=1, temperature=0,
+                                        extra_args={"kv_transfer_params": cmd["kv_transfer_params"]})
             t0 = time.perf_counter()
-            out = llm.generate({"prompt_token_ids": cmd["prompt"]}, first, use_tqdm=False)[0]
+            out = llm.generate({"prompt_token_ids": cmd["prompt"]}, params, use_tqdm=False)[0]
             seconds = time.perf_counter() - t0
             answer = {"seconds": seconds, "num_cached_tokens": out.num_cached_tokens,
                       "kv_transfer_params": out.kv_transfer_params,

@@ -104,12 +104,14 @@ class BlockCopier:
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, first: int = 0) -> None:
         """Write ``src`` (an entry, ``[layers, ..blocks..]``) into ``block_ids``, skipping
-        the entry's first ``first`` blocks. Returns once the blocks hold the data."""
+        the entry's first ``first`` blocks (and leaving out its blocks past those).
+        Returns once the blocks hold the data."""
         bd = self.layout.block_dim
         n = len(block_ids)
         if n == 0:
             return
-        if tuple(src.shape) != self.layout.entry_shape(first + n):
+        held = src.shape[bd + 1] if src.ndim > bd + 1 else 0
+        if held < first + n or tuple(src.shape) != self.layout.entry_shape(held):
             raise ValueError(f"entry shape {tuple(src.shape)} does not fit {first + n} blocks")
         part = src.narrow(bd + 1, first, n)
         if not self.cuda:

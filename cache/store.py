@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
 from cache.policy import EvictionPolicy
@@ -239,21 +239,33 @@ class TieredStore:
 
     # -- writes (write-behind) -------------------------------------------------
     def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
-            shared: bool = False) -> bool:
+            shared: bool = False, on_done: Optional[Callable[[str], None]] = None) -> bool:
         """Queue ``payload`` for the top tier; returns at once. The caller must not
         change ``payload`` afterwards. ``shared`` publishes it to the shared tier too,
         whatever the admission rule (a prefix marked shared, e.g. by the warm tool).
         False when the queue is full (the entry is dropped: a future miss, never a
-        stall)."""
+        stall). ``on_done(key)`` runs once the write is settled (stored, refused by
+        the policy, failed or dropped), on the writer thread or, when dropped, here."""
         assert self._io is not None, "lookup-only store"
         nbytes = memoryview(payload).nbytes
         with self._lock:
             if self._pending_bytes + nbytes > self._max_pending:
                 self.stats.dropped_writes += 1
-                return False
-            self._pending_bytes += nbytes
-        fut = self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared)
-        fut.add_done_callback(lambda _f: self._unpend(nbytes))
+                dropped = True
+            else:
+                self._pending_bytes += nbytes
+                dropped = False
+        if dropped:
+            if on_done is not None:
+                on_done(key)
+            return False
+
+        def settled(_f: Future) -> None:
+            self._unpend(nbytes)
+            if on_done is not None:
+                on_done(key)
+
+        self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared).add_done_callback(settled)
         return True
 
     def _unpend(self, nbytes: int) -> None:
@@ -402,7 +414,7 @@ class TieredStore:
             st.rejected += 1
             return False
         rescanned = False
-        while not tier.reserve(nbytes):
+        while not tier.reserve(nbytes, key):
             with self._lock:
                 victim = policy.victim()
                 if victim is not None:

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cache.config import build_cache_config, check_block_size
-from cache.connector.metadata import TieredKVMetadata
+from cache.connector.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.connector.namespace import engine_namespace
 
 if TYPE_CHECKING:
@@ -106,6 +106,9 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
 
+    def build_connector_worker_meta(self):
+        return self.worker_side.take_settled()
+
     def get_kv_connector_stats(self):
         return self.worker_side.get_stats() if self.worker_side is not None else None
 
@@ -138,6 +141,9 @@ class TieredKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.scheduler_side.saves_settled(worker_meta.settled)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         loaded = self.scheduler_side.request_finished(request)

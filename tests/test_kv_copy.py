@@ -26,12 +26,20 @@ def test_gather_scatter_roundtrip(shape):
         assert torch.equal(caches[name].select(bd, 9), caches[name].select(bd, 5))
     assert layout.bytes_per_block() * 3 == entry.numel() * entry.element_size()
 
+    # load only the entry's leading blocks (a tail whose last block holds only the
+    # prompt's last token, which vLLM computes)
+    copier.scatter([4], entry, first=1)
+    for name in layout.layer_names:
+        assert torch.equal(caches[name].select(bd, 4), caches[name].select(bd, 2))
+
 
 def test_wrong_entry_shape_is_refused():
     caches = {"l0": torch.zeros(4, 2, 3)}
     copier = BlockCopier(caches, KVLayout.of(caches, 4))
     with pytest.raises(ValueError):
-        copier.scatter([0, 1], torch.zeros(1, 1, 2, 3))
+        copier.scatter([0, 1], torch.zeros(1, 1, 2, 3))  # one block held, two asked for
+    with pytest.raises(ValueError):
+        copier.scatter([0], torch.zeros(1, 2, 2, 4))     # foreign block shape
 
 
 def test_unknown_layout_is_refused():

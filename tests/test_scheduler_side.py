@@ -54,19 +54,23 @@ def store_saves(writer, meta):
     writer.flush(10)
 
 
-def test_cuts_whole_chunks_and_a_block_aligned_tail(setup):
+def test_cuts_whole_chunks_and_an_exact_tail(setup):
     side, _ = setup
     st = side._state(request("a", 1500))
     assert [(c.start, c.end) for c in st.lookup] == [(0, 256), (256, 512), (512, 768), (768, 1024),
-                                                     (1024, 1280), (1280, 1408)]
-    assert [(c.start, c.end) for c in st.saves][-1] == (1280, 1408)
-    # a prompt that ends exactly on a chunk boundary also saves that whole chunk
+                                                     (1024, 1280), (1280, 1500)]
+    assert st.saves == st.lookup
+    # a prompt that ends exactly on a chunk boundary: whole chunks only
     st = side._state(request("b", 1024))
-    assert [(c.start, c.end) for c in st.lookup][-1] == (768, 896)
-    assert (768, 1024) in [(c.start, c.end) for c in st.saves]
-    # shorter than a block: nothing to look up or save
-    st = side._state(request("c", 100))
-    assert st.lookup == [] and st.saves == []
+    assert [(c.start, c.end) for c in st.lookup][-1] == (768, 1024)
+    # a one-token tail would load nothing: left out
+    assert [(c.start, c.end) for c in side._state(request("c", 1025)).lookup][-1] == (768, 1024)
+    # shorter than a block: one tail chunk
+    assert [(c.start, c.end) for c in side._state(request("d", 100)).lookup] == [(0, 100)]
+    assert side._state(request("e", 1)).lookup == []
+    # the tail is keyed by exactly its tokens: a longer prompt shares the whole chunks only
+    a, longer = side._state(request("a", 1500)).lookup, side._state(request("f", 1600)).lookup
+    assert [c.key for c in a[:5]] == [c.key for c in longer[:5]] and a[5].key != longer[5].key
 
 
 def test_miss_save_then_hit_and_partial_hit(setup):
@@ -79,24 +83,36 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     store_saves(writer, meta)
     meta = side.build_connector_meta(output(cached=[("a", 600)], scheduled={"a": 900}))
     assert len(meta.saves) == 4  # chunks 2-4 and the tail
+    assert meta.saves[-1].block_ids == list(range(110, 112))  # [1280, 1500): blocks 10 and 11 (partly)
     store_saves(writer, meta)
     assert side.request_finished(req) == {}
 
     again = request("b", 1500)
-    assert side.get_num_new_matched_tokens(again, 0) == (1408, False)  # all in DRAM: sync
+    assert side.get_num_new_matched_tokens(again, 0) == (1499, False)  # all in DRAM: sync
     # vLLM's own prefix cache already had the first 384 tokens: load only the rest
-    assert side.get_num_new_matched_tokens(again, 384) == (1408 - 384, False)
-    side.update_state_after_alloc(again, Blocks(list(range(12))), 1408 - 384)
+    assert side.get_num_new_matched_tokens(again, 384) == (1499 - 384, False)
+    side.update_state_after_alloc(again, Blocks(list(range(12))), 1499 - 384)
     meta = side.build_connector_meta(output())
     (load,) = meta.loads
     assert meta.upcoming == [c.key for c in side.requests["b"].lookup]  # protected until loaded
     assert load.chunks[0].first == 1 and load.chunks[0].block_ids == [3]
-    assert [b for c in load.chunks for b in c.block_ids] == list(range(3, 11))
-    assert side.request_finished(again) == {"dram": 1408 - 384}
+    assert [b for c in load.chunks for b in c.block_ids] == list(range(3, 12))
+    assert side.request_finished(again) == {"dram": 1499 - 384}
+
+    # the last token is computed, not loaded: a block holding only it is not loaded into
+    edge = request("e", 1409, seed=2)
+    side.get_num_new_matched_tokens(edge, 0)
+    store_saves(writer, side.build_connector_meta(output(new=[("e", 0)], scheduled={"e": 1409})))
+    side.request_finished(edge)
+    again = request("f", 1409, seed=2)
+    assert side.get_num_new_matched_tokens(again, 0) == (1408, False)
+    side.update_state_after_alloc(again, Blocks(list(range(11))), 1408)
+    (load,) = side.build_connector_meta(output()).loads
+    assert load.chunks[-1].block_ids == [10]
 
     other = request("c", 1500, seed=1)
     other.prompt_token_ids = req.prompt_token_ids[:520] + other.prompt_token_ids[520:]
-    assert side.get_num_new_matched_tokens(other, 0) == (512, False)
+    assert side.get_num_new_matched_tokens(other, 0) == (512, False)  # the whole chunks it shares
 
 
 def test_disk_only_hits_load_asynchronously(setup):
@@ -106,7 +122,7 @@ def test_disk_only_hits_load_asynchronously(setup):
     meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700}))
     for c in meta.saves:  # written straight to disk
         writer._store(1, c.key, c.parent, [b"x" * 10])
-    assert side.get_num_new_matched_tokens(request("b", 700), 0) == (640, True)
+    assert side.get_num_new_matched_tokens(request("b", 700), 0) == (699, True)
 
 
 def test_nothing_saved_twice(setup):
@@ -117,3 +133,55 @@ def test_nothing_saved_twice(setup):
     side.get_num_new_matched_tokens(request("b", 600), 0)
     meta = side.build_connector_meta(output(new=[("b", 0)], scheduled={"b": 600}))
     assert meta.saves == []
+
+
+def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monkeypatch):
+    """The same prompt again before write-behind stored its chunks (the warm tool's second
+    pass): deferred until every rank reports the saves settled, not served half."""
+    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "16MiB",
+                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
+    ranks = [Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK, tp_rank=r) for r in range(2)]
+    manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
+    side = SchedulerSide(cfg, ranks, BLOCK, lambda: manager)
+    writers = [TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()]) for ns in ranks]
+
+    side.get_num_new_matched_tokens(request("a", 700), 0)
+    meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700}))
+    keys = [c.key for c in meta.saves]
+    assert len(keys) == 3
+    assert side.get_num_new_matched_tokens(request("b", 700), 0) == (None, False)  # nothing stored yet
+    for w in writers:
+        store_saves(w, meta)
+    side.saves_settled(keys)  # rank 0 only: rank 1's report is still to come
+    assert side.get_num_new_matched_tokens(request("b", 700), 0) == (699, False)  # both stored: found
+    side.saves_settled(keys)
+
+    # a save that settles without being stored (refused, dropped): no more waiting
+    side.get_num_new_matched_tokens(request("c", 700, seed=3), 0)
+    meta = side.build_connector_meta(output(new=[("c", 0)], scheduled={"c": 700}))
+    assert side.get_num_new_matched_tokens(request("d", 700, seed=3), 0) == (None, False)
+    side.saves_settled([c.key for c in meta.saves] * 2)
+    assert side.get_num_new_matched_tokens(request("d", 700, seed=3), 0) == (0, False)
+
+    # a report that never comes: the wait ends at its deadline
+    side.get_num_new_matched_tokens(request("e", 700, seed=4), 0)
+    side.build_connector_meta(output(new=[("e", 0)], scheduled={"e": 700}))
+    assert side.get_num_new_matched_tokens(request("f", 700, seed=4), 0) == (None, False)
+    import cache.connector.scheduler as sched
+    clock = sched.time.monotonic() + sched.SAVE_WAIT_MAX_S + 1
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock)
+    assert side.get_num_new_matched_tokens(request("f", 700, seed=4), 0) == (0, False)
+
+
+def test_a_request_can_opt_out_of_loading_or_saving(setup):
+    side, writer = setup
+    quiet = request("a", 700)
+    quiet.kv_transfer_params = {"kvcache_save": False}
+    side.get_num_new_matched_tokens(quiet, 0)
+    assert side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700})).saves == []
+    side.get_num_new_matched_tokens(request("b", 700), 0)
+    store_saves(writer, side.build_connector_meta(output(new=[("b", 0)], scheduled={"b": 700})))
+    assert side.get_num_new_matched_tokens(request("c", 700), 0) == (699, False)
+    no_load = request("d", 700)
+    no_load.kv_transfer_params = {"kvcache_load": False}
+    assert side.get_num_new_matched_tokens(no_load, 0) == (0, False)

@@ -29,10 +29,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-P1 = tokens(11, 1500)                  # 5 whole chunks and a 128-token tail are looked up
+P1 = tokens(11, 1500)                  # 5 whole chunks and a 220-token tail
 P2 = tokens(12, 700)
-HIT_P1 = (1500 - 1) // BLOCK * BLOCK   # 1408
-HIT_P2 = (700 - 1) // BLOCK * BLOCK    # 640
+HIT_P1 = 1500 - 1                      # a hit loads all but the last token
+HIT_P2 = 700 - 1
 
 
 def run_l3_engine(spec: dict, timeout: float = 300) -> list[dict]:
@@ -65,13 +65,14 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
         "cache": cache_spec(tmp_path, "a"),
         "steps": [
             {"prompt_token_ids": P1},        # cold
-            {"prompt_token_ids": P1},        # vLLM prefix-cache hit: the reference
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": P1},        # a DRAM hit: the reference
             {"warm": [P1, P2]},              # reused from DRAM: published to L3
             {"shutdown": True},              # flushes the publish queue
         ],
     })
     cold, reference, warmed, _ = first
-    assert cold["loaded"] == {} and reference["num_cached_tokens"] >= HIT_P1
+    assert cold["loaded"] == {} and reference["loaded"] == {"dram": HIT_P1}
     assert warmed["reloaded"] == {"dram": HIT_P1 + HIT_P2}
     # 6 chunks of P1 (5 whole + tail) and 3 of P2 (2 whole + tail), all signed, in L3
     assert len(entry_files(tmp_path / "l3")) == 9

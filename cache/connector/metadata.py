@@ -1,7 +1,9 @@
-"""Messages from the scheduler-side connector to the workers, one per engine step.
+"""Messages between the scheduler-side connector and the workers, one each way per
+engine step.
 
-Built in the scheduler (``build_connector_meta``), pickled to every worker; plain lists
-so they are cheap to send.
+``TieredKVMetadata`` is built in the scheduler (``build_connector_meta``) and pickled to
+every worker; ``TieredKVWorkerMetadata`` comes back from each worker
+(``build_connector_worker_meta``), merged across ranks by vLLM. Plain lists, cheap to send.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -39,3 +44,16 @@ class TieredKVMetadata(KVConnectorMetadata):
     saves: list[ChunkIO] = field(default_factory=list)
     # Chunks that requests waiting in the queue will load soon: the policies protect them.
     upcoming: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Keys of the saves a worker settled since its last step (stored, refused or
+    dropped): the scheduler stops holding back requests that wait for them. One entry
+    per rank after ``aggregate``, so a key settled on every rank appears world-size times."""
+
+    settled: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
+        assert isinstance(other, TieredKVWorkerMetadata)
+        return TieredKVWorkerMetadata(self.settled + other.settled)

@@ -10,10 +10,18 @@ Shared tier (L3). Its ``contains`` answers from memory; for chunks it does not k
 comes first; then it goes on with what is known. Loads from L3 are asynchronous (worker
 threads) like every load below DRAM.
 
-Chunk boundaries. A prompt of *n* tokens is looked up up to ``align(n - 1)`` (block
-aligned; the last token is always recomputed for its logits): whole chunks, then one
-partial *tail* chunk of whole blocks. Saves cover the same whole chunks, every further
-whole chunk of the prompt, and that tail, so the same prompt sent again hits in full.
+Saves in flight. Saves are written behind the forward pass, so a request can arrive
+before the chunks an earlier request just computed are on a tier (the same prompt
+again once vLLM's own prefix cache dropped it, the warm tool's second pass). A request
+whose next missing chunk is still being written is deferred the same way until every
+rank's worker reports that save settled (``saves_settled``) or ``SAVE_WAIT_MAX_S`` passes.
+
+Chunk boundaries. A prompt of *n* tokens is cut into whole chunks and one partial
+*tail* chunk holding the rest of the prompt (keyed by exactly those tokens); saves and
+lookups use the same cut. A hit loads up to *n - 1* tokens (vLLM computes the last
+token for its logits), so the same prompt sent again costs one token of compute, and a
+prompt that extends an earlier one hits its whole chunks. A tail's last block is
+partly filled: only its first positions are loaded, and vLLM writes the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # Longest a new request waits for the shared tier to say whether it holds its prefix.
 LOOKUP_WAIT_MAX_S = 0.5
+# Longest a request waits for a chunk an earlier step sent to be saved (write-behind) to
+# land; normally the worker reports it settled within a step or two.
+SAVE_WAIT_MAX_S = 2.0
 
 
 @dataclass
@@ -77,6 +88,9 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
+        # Saves sent to workers and not yet settled: key -> [ranks left, deadline], in
+        # the order sent (so deadlines ascend).
+        self._saving: dict[str, list] = {}
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -90,24 +104,26 @@ class SchedulerSide:
         return st
 
     def _cut(self, tokens, request) -> tuple[list[Chunk], list[Chunk]]:
+        """The prompt's chunks, for lookups and for saves (the same list)."""
         salt = f"lora:{request.lora_request.lora_name}" if getattr(request, "lora_request", None) else ""
-        n, c, b = len(tokens), self.chunk, self.block_size
-        limit = max(0, (n - 1) // b * b)
-        full, tail = divmod(limit, c)
-        lookup_keys = chunk_keys(self.chain, tokens[:limit], c, tail_tokens=tail, salt=salt)
-        bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, limit)] if tail else [])
-        lookup = [Chunk(k, lookup_keys[i - 1] if i else None, s, e)
-                  for i, (k, (s, e)) in enumerate(zip(lookup_keys, bounds))]
-        saves = lookup[:full]
-        if n // c > full:  # one more whole chunk, past the lookup limit
-            k = chunk_keys(self.chain, tokens[: (full + 1) * c], c, salt=salt)[-1]
-            saves.append(Chunk(k, lookup_keys[full - 1] if full else None, full * c, (full + 1) * c))
-        if tail:
-            saves.append(lookup[-1])
-        return lookup, saves
+        n, c = len(tokens), self.chunk
+        full, tail = divmod(n, c)
+        if tail < 2:  # a one-token tail would load nothing: the last token is always computed
+            tail = 0
+        keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
+        bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
+        chunks = [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+        return chunks, chunks
 
     def _cacheable(self, request: "Request") -> bool:
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+
+    @staticmethod
+    def _wants(request: "Request", what: str) -> bool:
+        """The request's ``kv_transfer_params`` may say ``kvcache_load: false`` (compute,
+        do not load from the tiers) or ``kvcache_save: false`` (store nothing of it)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return params.get(f"kvcache_{what}", True) is not False
 
     # -- vLLM hooks ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -115,18 +131,20 @@ class SchedulerSide:
             return 0, False
         st = self._state(request)
         st.pending_load = None
+        if not self._wants(request, "load"):
+            return 0, False
         keys = [c.key for c in st.lookup]
         # One lookup per rank's view; a chunk counts when every rank has it, and it
         # loads from the slowest tier any rank holds it in.
         per_view = [v.lookup(keys) for v in self.views]
         found = min(map(len, per_view)) if per_view else 0
         if (found < len(keys) and st.lookup[-1].end > num_computed_tokens
-                and self._awaiting_shared(st, keys[found:])):
+                and (self._awaiting_save(keys[found]) or self._awaiting_shared(st, keys[found:]))):
             return None, False  # ask again at the next step
         tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
-        if not found or st.lookup[found - 1].end <= num_computed_tokens:
+        hit_end = min(st.lookup[found - 1].end, st.n_tokens - 1) if found else 0
+        if hit_end <= num_computed_tokens:
             return 0, False
-        hit_end = st.lookup[found - 1].end
         self._upcoming.update(dict.fromkeys(c.key for c in st.lookup[:found]))
         needed = [i for i in range(found) if st.lookup[i].end > num_computed_tokens]
         # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
@@ -137,7 +155,7 @@ class SchedulerSide:
         names = [t.name for t in self.views[0].tiers]
         st.planned = {}
         for i in needed:
-            n = st.lookup[i].end - max(st.lookup[i].start, num_computed_tokens)
+            n = min(st.lookup[i].end, hit_end) - max(st.lookup[i].start, num_computed_tokens)
             st.planned[names[tiers[i]]] = st.planned.get(names[tiers[i]], 0) + n
         chunks = [ChunkIO(st.lookup[i].key, st.lookup[i].parent, [],
                           max(0, num_computed_tokens - st.lookup[i].start) // self.block_size)
@@ -158,6 +176,26 @@ class SchedulerSide:
             st.probe_until = now + self.lookup_wait
         return now < st.probe_until
 
+    def _awaiting_save(self, key: str) -> bool:
+        """Whether ``key`` was sent to be saved and has not settled yet (nor timed out)."""
+        pending = self._saving.get(key)
+        if pending is None:
+            return False
+        if time.monotonic() < pending[1]:
+            return True
+        del self._saving[key]
+        log.debug("kvcache: save of chunk %s not reported within %.1f s", key, SAVE_WAIT_MAX_S)
+        return False
+
+    def saves_settled(self, keys: list[str]) -> None:
+        """Workers settled these saves (one entry per rank)."""
+        for key in keys:
+            pending = self._saving.get(key)
+            if pending is not None:
+                pending[0] -= 1
+                if pending[0] <= 0:
+                    del self._saving[key]
+
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self.requests.get(request.request_id)
         if num_external_tokens == 0 or st is None or st.pending_load is None:
@@ -166,11 +204,12 @@ class SchedulerSide:
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
-        by_start = {c.key: c for c in st.lookup}
+        by_key = {c.key: c for c in st.lookup}
+        b = self.block_size
         for chunk in load.chunks:
-            c = by_start[chunk.key]
-            first_block = c.start // self.block_size + chunk.first
-            chunk.block_ids = list(block_ids[first_block: c.end // self.block_size])
+            c = by_key[chunk.key]
+            end = min(c.end, st.n_tokens - 1)  # the last token is computed, not loaded
+            chunk.block_ids = list(block_ids[c.start // b + chunk.first: -(-end // b)])
         self._loads.append(load)
         st.issued.extend(load.chunks)
 
@@ -180,21 +219,25 @@ class SchedulerSide:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        now = time.monotonic()
+        while self._saving and next(iter(self._saving.values()))[1] <= now:  # reports lost
+            del self._saving[next(iter(self._saving))]
         for req_id, computed in scheduled:
             st = self.requests.get(req_id)
-            if st is None or not st.saves:
+            if st is None or not st.saves or not self._wants(st.request, "save"):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
             block_ids = None
             while st.next_save < len(st.saves) and st.saves[st.next_save].end <= done:
                 c = st.saves[st.next_save]
                 st.next_save += 1
-                if all(v.lookup([c.key], local_only=True) for v in self.views):
-                    continue  # already stored here (by us, another engine, or an earlier turn)
+                if c.key in self._saving or all(v.lookup([c.key], local_only=True) for v in self.views):
+                    continue  # being saved, or stored (by us, another engine, an earlier turn)
                 if block_ids is None:
                     block_ids = self._kv_manager().get_block_ids(req_id)[0]
                 meta.saves.append(ChunkIO(c.key, c.parent,
-                                          list(block_ids[c.start // self.block_size: c.end // self.block_size])))
+                                          list(block_ids[c.start // self.block_size: -(-c.end // self.block_size)])))
+                self._saving[c.key] = [len(self.views), now + SAVE_WAIT_MAX_S]
         return meta
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:

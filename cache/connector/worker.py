@@ -7,7 +7,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   ``get_finished`` when their blocks are filled.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors (the only synchronous part of a save) and handed to the store's writer
-  thread; encoding, checksums and file writes never delay the next step.
+  thread; encoding, checksums and file writes never delay the next step. Settled saves
+  go back to the scheduler with the next step's output (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
   read past ``KVCACHE_REMOTE_TIMEOUT_MS``: the tier's own deadline) fails its blocks
   and every later block of the request; vLLM recomputes them.
@@ -25,7 +26,7 @@ import torch
 
 from cache.config import CacheConfig
 from cache.connector.metrics import StatsDelta
-from cache.connector.metadata import LoadRequest, TieredKVMetadata
+from cache.connector.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.keys import Namespace
 from cache.kv_copy import BlockCopier, KVLayout
 from cache.policy import make_policy
@@ -52,6 +53,7 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._inflight: dict[str, object] = {}
+        self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KVLayout.of(kv_caches, self.num_blocks)
@@ -142,7 +144,17 @@ class WorkerSide:
         for chunk in meta.saves:
             host = self.copier.gather(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, layout.dtype_name, tuple(host.shape),
-                           host.view(torch.uint8).reshape(-1).numpy())
+                           host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled)
+
+    def _on_settled(self, key: str) -> None:
+        with self._lock:
+            self._settled.append(key)
+
+    def take_settled(self) -> Optional[TieredKVWorkerMetadata]:
+        """Saves settled since the last call, for the scheduler (``None``: nothing new)."""
+        with self._lock:
+            settled, self._settled = self._settled, []
+        return TieredKVWorkerMetadata(settled) if settled else None
 
     def shutdown(self) -> None:
         """Flush write-behind within vLLM's worker shutdown grace (~5 s); what is not
