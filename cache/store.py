@@ -137,9 +137,11 @@ class TieredStore:
         max_pending_bytes: int = 1 << 30,
         shared_admission: str = "reused",
         max_publish_bytes: int = 256 << 20,
+        thread_setup: Optional[Callable[[str], None]] = None,
     ) -> None:
         """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
-        a writer store; None a lookup-only one."""
+        a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
+        of its threads ("read", "write", "publish"; see ``cache.threads``)."""
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -168,10 +170,15 @@ class TieredStore:
         # thread, in order, so a chain's parent is always stored before its child.
         self._io = self._writer = self._publisher = None
         if self.policies is not None:
-            self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcache-read")
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvcache-write")
+            def pool(n: int, role: str) -> ThreadPoolExecutor:
+                return ThreadPoolExecutor(n, thread_name_prefix=f"kvcache-{role}",
+                                          initializer=thread_setup, initargs=(role,)) if thread_setup \
+                    else ThreadPoolExecutor(n, thread_name_prefix=f"kvcache-{role}")
+
+            self._io = pool(io_threads, "read")
+            self._writer = pool(1, "write")
             if self.shared is not None:
-                self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kvcache-publish")
+                self._publisher = pool(1, "publish")
             for i in range(self.n_local):
                 self._adopt(i)
 

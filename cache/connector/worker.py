@@ -31,6 +31,7 @@ from cache.keys import Namespace
 from cache.kv_copy import BlockCopier, KVLayout
 from cache.policy import make_policy
 from cache.store import TieredStore
+from cache.threads import spare_cpus, thread_setup
 from cache.tiers import make_tiers
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ class WorkerSide:
         self.block_size = block_size
         self._stats = StatsDelta()
         tiers = make_tiers(config, namespace.id)
+        cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
+        self._thread_setup = thread_setup(cpus)
         self.store = TieredStore(tiers, namespace.digest, [make_policy(config.policy) for _ in tiers],
                                  signing_key=config.signing_key.encode(), io_threads=config.io_threads,
-                                 shared_admission=config.shared_admission)
+                                 shared_admission=config.shared_admission, thread_setup=self._thread_setup)
+        if cpus:
+            log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copier: Optional[BlockCopier] = None
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
@@ -81,6 +86,7 @@ class WorkerSide:
                         self._failed_blocks |= failed
 
     def _load_async(self, load: LoadRequest) -> None:
+        self._thread_setup("load")
         failed = set()
         try:
             failed = self._load(load)
