@@ -15,13 +15,16 @@ median TTFT (``LLM.generate``, ``max_tokens=1``) of:
                   load, ``kvcache_load: false``, so it does not top up the last block)
   ours-dram       vLLM prefix cache reset, our DRAM tier serves the prompt
   ours-disk       DRAM tier off, our disk tier serves it, page cache dropped first
+  ours-l3         DRAM and disk tiers off, our shared tier (L3) serves it: a ``file://``
+                  folder read through the tier's bandwidth cap at 1.8 GB/s (the
+                  cross-node rate AWS reported for Curvine; ``--l3-bandwidth``)
   lmcache-dram    LMCache (multiprocess connector, own server) L1 hit
   lmcache-disk    fresh LMCache server and engine, L1 empty, fs L2 populated, page cache dropped
   example-warm    vLLM's ExampleConnector, its safetensors files in the page cache
   example-disk    the same, page cache dropped
 
-Floors: ``dram floor = l0 + KV bytes / memcpy bandwidth`` and ``disk floor = l0 + KV
-bytes / cold-read bandwidth``, where the KV bytes are those of the tokens our hit
+Floors: ``dram floor = l0 + KV bytes / memcpy bandwidth``, ``disk floor = l0 + KV
+bytes / cold-read bandwidth`` and ``l3 floor = l0 + KV bytes / L3 bandwidth``, where the KV bytes are those of the tokens our hit
 loads (the prompt less its last token; vLLM's own prefix cache, l0, stops at the last
 whole block and recomputes the rest, so a floor built on l0 is a generous one at 1K).
 Then the throughput of a no-reuse batch with and without our connector (two engines
@@ -272,6 +275,29 @@ class Bench:
                         self.record("ours-disk", size, r, hit, resident_after_drop=self.checks[-1]["resident_after"])
                         self.record("l0 (disk engine)", size, r0, hit0)
 
+    def run_ours_l3(self) -> None:
+        """ours-l3, each sample followed by the same prompt from vLLM's prefix cache
+        ("l0 (l3 engine)"). No local tiers: every chunk is published to L3 when stored
+        (admission "all") and every hit reads it back through the bandwidth cap."""
+        root = os.path.join(self.work, "ours-l3")
+        local = os.path.join(self.work, "ours-l3-unused")
+        kv = peers.ours(os.path.join(self.shm, "ours-l3-unused"), "0", local, "0",
+                        remote_url=f"file://{root}", remote_bandwidth=str(int(self.args.l3_bandwidth)),
+                        shared_admission="all")
+        with self.engine("ours-l3", kv) as e:
+            for size in self.sizes:
+                p = self.prompt("ours-l3", size)
+                self.ttft(e, p, reset=False)  # compute and publish (and warm up this size)
+                self.wait_stable(root, quiet_s=2.0)
+                for i in range(1 + self.hit_repeats):  # the first pair is a warm-up
+                    r = self.ttft(e, p, reset=True)
+                    hit = self.ours_loaded(r, "remote", self.ours(size))
+                    r0 = self.ttft(e, p, reset=False, ours=False)
+                    hit0 = self.peer_hit(r0, self.loadable(size), "l0 (l3 engine)")
+                    if i:
+                        self.record("ours-l3", size, r, hit)
+                        self.record("l0 (l3 engine)", size, r0, hit0)
+
     def run_lmcache(self) -> None:
         """lmcache-dram against its first server; lmcache-disk against a fresh server
         (empty L1) over the same L2 folder, from a fresh engine, page cache dropped."""
@@ -386,7 +412,8 @@ class Bench:
 
     # -- report ------------------------------------------------------------------
     def l0_for(self, kind: Optional[str], size: int) -> Optional[Row]:
-        for name in (("l0 (disk engine)", "l0") if kind == "disk" else ("l0",)):
+        own = {"disk": "l0 (disk engine)", "l3": "l0 (l3 engine)"}.get(kind or "")
+        for name in ((own, "l0") if own else ("l0",)):
             row = self.rows.get((name, size))
             if row is not None and row.median_ms is not None:
                 return row
@@ -399,19 +426,21 @@ class Bench:
         if l0 is None:
             return None
         b = self.bandwidth[size]
-        bw = b["dram"]["best"] if kind == "dram" else b["disk"]["bytes_per_s"]
+        bw = {"dram": b["dram"]["best"], "disk": b["disk"]["bytes_per_s"], "l3": self.args.l3_bandwidth}[kind]
         return l0.median_ms + b["kv_bytes"] / bw * 1e3
 
     ROWS_OF = {"ours-dram": ["cold", "l0", "ours-dram"], "ours-disk": ["ours-disk", "l0 (disk engine)"],
+               "ours-l3": ["ours-l3", "l0 (l3 engine)"],
                "lmcache": ["lmcache-dram", "lmcache-disk"],
                "example": ["example-warm", "example-disk", "l0 (example engine)"]}
     # The l0 measured alternately with each hit row, in the same engine.
-    PAIRED_L0 = {"ours-dram": "l0", "ours-disk": "l0 (disk engine)",
+    PAIRED_L0 = {"ours-dram": "l0", "ours-disk": "l0 (disk engine)", "ours-l3": "l0 (l3 engine)",
                  "example-warm": "l0 (example engine)", "example-disk": "l0 (example engine)"}
     FLOOR_KIND = {"ours-dram": "dram", "lmcache-dram": "dram", "example-warm": "dram",
-                  "ours-disk": "disk", "lmcache-disk": "disk", "example-disk": "disk"}
+                  "ours-disk": "disk", "lmcache-disk": "disk", "example-disk": "disk", "ours-l3": "l3"}
     ORDER = ["cold", "l0", "ours-dram", "lmcache-dram", "l0 (example engine)", "example-warm",
-             "l0 (disk engine)", "ours-disk", "lmcache-disk", "example-disk", "lmcache-cold"]
+             "l0 (disk engine)", "ours-disk", "lmcache-disk", "example-disk",
+             "l0 (l3 engine)", "ours-l3", "lmcache-cold"]
 
     def ratio(self, a: str, b: str, size: int) -> Optional[float]:
         ra, rb = self.rows.get((a, size)), self.rows.get((b, size))
@@ -450,6 +479,8 @@ class Bench:
                 ("ours-disk / example-disk", self.ratio("ours-disk", "example-disk", size), 1.0),
                 ("ours-dram / cold", self.ratio("ours-dram", "cold", size), None),
                 ("ours-disk / cold", self.ratio("ours-disk", "cold", size), None),
+                ("ours-l3 / l3 floor", self._vs_floor("ours-l3", size), None),
+                ("ours-l3 / cold", self.ratio("ours-l3", "cold", size), None),
             ]
             for name, value, limit in checks:
                 ok = None if value is None or limit is None else (value <= limit if limit != 1.0 else value < 1.0)
@@ -494,7 +525,7 @@ def markdown(result: dict) -> str:
         f"Machine: {cfg['machine']}. Run took {result['wall_s'] / 60:.1f} min.",
         "",
         "TTFT / l0: against the l0 row of the same tier's engine (l0 for DRAM rows, "
-        "l0 (disk engine) for disk rows); hit tokens: tokens not recomputed (vLLM's num_cached_tokens); "
+        "l0 (disk engine) for disk rows, l0 (l3 engine) for L3 rows); hit tokens: tokens not recomputed (vLLM's num_cached_tokens); "
         "over paired l0: median TTFT minus the median of the l0 hits measured alternately with it "
         "in the same engine (what the connector adds over vLLM's own prefix cache).",
         "",
@@ -512,7 +543,9 @@ def markdown(result: dict) -> str:
             f"{min(r['hit_tokens']) if r['hit_tokens'] else '–'} | "
             f"{fmt(r['floor_ms'])}{' (' + r['floor_kind'] + ')' if r['floor_kind'] else ''} | "
             f"{fmt(r['vs_floor'], '.2f')} | {fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} |")
-    lines += ["", "Floors: `l0 + KV bytes / bandwidth`; bandwidths measured on this machine:", "",
+    l3_bw = cfg.get("l3_bandwidth")
+    lines += ["", "Floors: `l0 + KV bytes / bandwidth`; bandwidths measured on this machine"
+              + (f" (L3: the tier's cap, {l3_bw / 1e9:.1f} GB/s, over a local folder)" if l3_bw else "") + ":", "",
               "| prompt tokens | KV MiB (our hit) | memcpy GB/s | cold disk read GB/s |",
               "| ---: | ---: | ---: | ---: |"]
     for size, b in result["bandwidth"].items():
@@ -565,7 +598,7 @@ def parse_args(argv=None):
     p.add_argument("--hit-repeats", type=int, default=5, help="samples of every other hit row")
     p.add_argument("--quick", action="store_true", help="smoke run: sizes 512,1024, small throughput batch")
     p.add_argument("--skip-lmcache", action="store_true")
-    p.add_argument("--only", default="", help="comma list of: ours-dram,ours-disk,lmcache,example,throughput")
+    p.add_argument("--only", default="", help="comma list of: ours-dram,ours-disk,ours-l3,lmcache,example,throughput")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--workdir", default="/tmp/kvbench-ttft")
     p.add_argument("--shmdir", default="/dev/shm/kvbench-ttft")
@@ -575,6 +608,8 @@ def parse_args(argv=None):
     p.add_argument("--dram-size", default="2GiB")
     p.add_argument("--disk-size", default="4GiB")
     p.add_argument("--lmcache-l1-gb", type=float, default=2.0)
+    p.add_argument("--l3-bandwidth", type=float, default=1.8e9,
+                   help="bytes/s cap of the shared tier in the ours-l3 row (Curvine cross-node: 1.8 GB/s)")
     p.add_argument("--tput-prompts", type=int, default=16)
     p.add_argument("--tput-len", type=int, default=1024)
     p.add_argument("--tput-max-tokens", type=int, default=16)
@@ -625,6 +660,8 @@ def main(argv=None) -> int:
             bench.scenario("ours-dram", bench.run_ours_dram)
         if want("ours-disk"):
             bench.scenario("ours-disk", bench.run_ours_disk)
+        if want("ours-l3"):
+            bench.scenario("ours-l3", bench.run_ours_l3)
         if want("lmcache") and not args.skip_lmcache:
             reason = peers.lmcache_available()
             if reason:
@@ -638,7 +675,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(args.shmdir, ignore_errors=True)
         if not args.keep_workdir:
-            for sub in ("ours-dram-nodisk", "ours-disk", "lmcache-l2", "example", "tput-disk", "bandwidth"):
+            for sub in ("ours-dram-nodisk", "ours-disk", "ours-l3", "lmcache-l2", "example", "tput-disk",
+                        "bandwidth"):
                 shutil.rmtree(os.path.join(args.workdir, sub), ignore_errors=True)
     import vllm
 
@@ -650,7 +688,7 @@ def main(argv=None) -> int:
                        f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
             "throughput": {"prompts": args.tput_prompts, "len": args.tput_len,
                            "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds},
-            "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib,
+            "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib, "l3_bandwidth": args.l3_bandwidth,
         },
         "bandwidth": bench.bandwidth,
         "summary": bench.summary(),

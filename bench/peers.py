@@ -32,8 +32,9 @@ ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
-         chunk_tokens: int = 256) -> dict:
-    """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier)."""
+         chunk_tokens: int = 256, **more: str) -> dict:
+    """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier);
+    ``more``: further settings by their lower-case names without ``kvcache_``."""
     return {
         "kv_connector": "TieredKVConnector",
         "kv_connector_module_path": "cache.vllm_connector",
@@ -42,6 +43,7 @@ def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
             "kvcache_cpu_path": cpu_path, "kvcache_cpu_size": cpu_size,
             "kvcache_disk_path": disk_path, "kvcache_disk_size": disk_size,
             "kvcache_chunk_tokens": str(chunk_tokens),
+            **{f"kvcache_{k}": v for k, v in more.items()},
         },
     }
 

@@ -41,6 +41,9 @@ class CacheConfig:
     remote_url: str = ""
     curvine_conf: str = ""
     remote_timeout_ms: int = 2000
+    # Cap on this process's L3 transfer rate, bytes per second (0: none): keeps the cache's
+    # share of the node's network bounded (and emulates a slower link in the benchmark).
+    remote_bandwidth: int = 0
     # What the store publishes to L3 (cache.store.SharedAdmission): "reused" (a chunk used a
     # second time), "all" (every chunk stored), "none" (L3 is only read).
     shared_admission: str = "reused"
@@ -183,6 +186,7 @@ def build_cache_config(
     timeout_text = get("remote_timeout_ms") or "2000"
     if not timeout_text.isdigit():
         raise ConfigError(f"KVCACHE_REMOTE_TIMEOUT_MS={timeout_text!r} must be an integer")
+    bandwidth = parse_size(get("remote_bandwidth") or "0", None, "KVCACHE_REMOTE_BANDWIDTH")
     threads_text = get("io_threads") or "2"
     if not threads_text.isdigit() or int(threads_text) < 1:
         raise ConfigError(f"KVCACHE_IO_THREADS={threads_text!r} must be a positive integer")
@@ -208,6 +212,7 @@ def build_cache_config(
         remote_url=get("remote_url") or "",
         curvine_conf=get("curvine_conf") or "",
         remote_timeout_ms=int(timeout_text),
+        remote_bandwidth=bandwidth,
         shared_admission=admission,
         signing_key=get("signing_key") or "",
         policy=policy,

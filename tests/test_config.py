@@ -54,6 +54,9 @@ def test_bad_numbers_and_policy(tmp_path):
         build_cache_config(env(tmp_path, KVCACHE_CHUNK_TOKENS="many"))
     with pytest.raises(ConfigError, match="KVCACHE_POLICY"):
         build_cache_config(env(tmp_path, KVCACHE_POLICY="random-guess"))
+    with pytest.raises(ConfigError, match="KVCACHE_REMOTE_BANDWIDTH='fast'"):
+        build_cache_config(env(tmp_path, KVCACHE_REMOTE_BANDWIDTH="fast"))
+    assert build_cache_config(env(tmp_path, KVCACHE_REMOTE_BANDWIDTH="1.8GB")).remote_bandwidth == 1_800_000_000
 
 
 def test_chunk_must_be_whole_blocks(tmp_path):

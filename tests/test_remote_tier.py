@@ -23,7 +23,7 @@ from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.tiers import make_tiers
 from cache.tiers.memory import MemoryTier
-from cache.tiers.remote import RemoteTier, make_remote_tier
+from cache.tiers.remote import Pacer, RemoteTier, make_remote_tier
 from tests.test_tiers_store import KEY, NS, TierContract, payload
 
 ENTRY = 1000 + 256  # payload + header
@@ -552,3 +552,32 @@ def test_a_failed_shared_load_is_not_offered_again(tmp_path):
     assert load.chunks[2].block_ids == [4, 5]
     side.loads_failed({4, 5, 6, 7, 8, 9, 10, 11})  # chunk 2 failed, and everything after it
     assert ask_until_answered(side, request("b"))[:2] == (64, True)
+
+
+# -- bandwidth cap ------------------------------------------------------------------
+def test_pacer_holds_transfers_to_the_link_rate():
+    now, slept = [100.0], []
+
+    def sleep(s):
+        slept.append(round(s, 6))
+        now[0] += s
+
+    p = Pacer(1000.0, clock=lambda: now[0], sleep=sleep)
+    p.take(500)                   # idle link: 0.5 s
+    p.take(1000)                  # queued behind it: 1 s more
+    now[0] += 5.0                 # idle again
+    p.take(100, started=now[0] - 0.05)  # the transfer itself took 0.05 s of its 0.1 s
+    assert slept == [0.5, 1.0, 0.05]
+
+
+def test_capped_shared_tier_paces_reads_and_writes(tmp_path):
+    l3 = remote(tmp_path / "l3", bandwidth=10**9)
+    a = node(l3, mode="all")
+    put_chain(a, keys_of(2))
+    written = l3._pacer._free_at
+    assert written > 0
+    b = node(remote(tmp_path / "l3", bandwidth=10**9))
+    b.tiers[1].probe(keys_of(2))
+    assert b.get(keys_of(2)[0]) is not None
+    assert b.tiers[1]._pacer._free_at > 0  # the read went through the pacer
+    assert CacheConfig(remote_url="file:///x").remote_bandwidth == 0  # no cap by default

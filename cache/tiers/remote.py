@@ -190,6 +190,29 @@ class _DaemonPool:
             self._q.put(None)
 
 
+class Pacer:
+    """Holds transfers to ``rate`` bytes per second, as one link would: each transfer
+    ends no sooner than ``nbytes / rate`` after the previous one ended (or after it
+    started, when the link was idle). Called on the tier's I/O threads, after the bytes
+    moved; it sleeps out the difference (within the call's deadline)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate = float(rate)
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link has sent everything handed to it so far
+
+    def take(self, nbytes: int, started: Optional[float] = None) -> None:
+        now = self._clock()
+        with self._lock:
+            begin = max(self._free_at, now if started is None else started)
+            self._free_at = begin + nbytes / self.rate
+            wait = self._free_at - now
+        if wait > 0:
+            self._sleep(wait)
+
+
 class RemoteTier(Tier):
     shared = True      # the store publishes to it by rule and never evicts from it
     capacity = None    # space is the backend's to manage (Curvine quota and TTL)
@@ -209,9 +232,11 @@ class RemoteTier(Tier):
         max_backoff_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         label: Optional[str] = None,
+        bandwidth: int = 0,
     ) -> None:
         """``opener`` returns the fsspec filesystem; it is called lazily, on an I/O
-        thread, so an unreachable cluster never stalls start-up."""
+        thread, so an unreachable cluster never stalls start-up. ``bandwidth`` (bytes
+        per second, 0: none) paces entry reads and writes (``Pacer``)."""
         self.name = name
         self.root = root.rstrip("/")
         self.folder = f"{self.root}/{namespace}"
@@ -237,6 +262,7 @@ class RemoteTier(Tier):
         self._host = socket.gethostname()
         self._stop = threading.Event()
         self._refresher: Optional[threading.Thread] = None
+        self._pacer = Pacer(bandwidth) if bandwidth > 0 else None
 
     # -- calls with a deadline and the breaker ----------------------------------
     def _fs(self) -> "_FsOps":
@@ -247,7 +273,14 @@ class RemoteTier(Tier):
         return self._ops
 
     def _do(self, op: str, *args):
-        return getattr(self._fs(), op)(*args)
+        started = self._clock()
+        result = getattr(self._fs(), op)(*args)
+        if self._pacer is not None:
+            if op == "read":
+                self._pacer.take(len(result), started)
+            elif op == "write":
+                self._pacer.take(sum(memoryview(p).nbytes for p in args[1]), started)
+        return result
 
     def _submit(self, op: str, *args) -> Future:
         if not self._breaker.allow():
@@ -622,7 +655,8 @@ def make_remote_tier(config: CacheConfig, namespace_id: str) -> RemoteTier:
         opener, root = _curvine(url, config.curvine_conf)
     else:
         opener, root = _fsspec(url)
-    return RemoteTier(opener, root, namespace_id, timeout_s=config.remote_timeout_ms / 1000, label=url)
+    return RemoteTier(opener, root, namespace_id, timeout_s=config.remote_timeout_ms / 1000, label=url,
+                      bandwidth=config.remote_bandwidth)
 
 
 def _curvine(url: str, conf: str):
