@@ -313,6 +313,10 @@ def test_probe_stops_at_the_first_missing_chunk(tmp_path):
     asked = fs.calls
     assert asked <= 20 + 16  # whole waves of checks, none past the first wave with a miss
     assert not b.probe(keys) and fs.calls == asked  # the miss is remembered for a while
+    # ... unless this engine just stored the missing chunks (they may be published now)
+    put_chain(a, keys[20:])
+    b.tiers[1].recheck(keys[20:])
+    assert wait_known(b, keys) == [1] * 40
 
 
 def test_background_listing_learns_entries_and_clears_debris(tmp_path):

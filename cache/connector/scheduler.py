@@ -188,7 +188,11 @@ class SchedulerSide:
         return False
 
     def saves_settled(self, keys: list[str]) -> None:
-        """Workers settled these saves (one entry per rank)."""
+        """Workers settled these saves (one entry per rank). A shared tier's view asks
+        about them again (this engine may just have published them)."""
+        for view in self.views:
+            if view.shared is not None:
+                view.shared.recheck(keys)
         for key in keys:
             pending = self._saving.get(key)
             if pending is not None:
@@ -231,7 +235,7 @@ class SchedulerSide:
             while st.next_save < len(st.saves) and st.saves[st.next_save].end <= done:
                 c = st.saves[st.next_save]
                 st.next_save += 1
-                if c.key in self._saving or all(v.lookup([c.key], local_only=True) for v in self.views):
+                if c.key in self._saving or all(v.lookup([c.key], local_only=v.n_local > 0) for v in self.views):
                     continue  # being saved, or stored (by us, another engine, an earlier turn)
                 if block_ids is None:
                     block_ids = self._kv_manager().get_block_ids(req_id)[0]

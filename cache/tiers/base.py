@@ -75,6 +75,10 @@ class Tier(ABC):
         removes leftovers (unfinished temporary files). Called at start-up and when the
         policy runs out of known victims (another process filled the tier)."""
 
+    def recheck(self, keys: Sequence[str]) -> None:
+        """``keys`` were just stored by this engine: a shared tier forgets that it found
+        them absent, so the next ``probe`` asks again. Local tiers: nothing to do."""
+
     def reject(self, key: str) -> None:
         """``key`` failed to load from this tier; a shared tier stops offering it for a
         while. Local tiers delete bad entries instead: nothing to do."""

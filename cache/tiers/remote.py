@@ -404,6 +404,11 @@ class RemoteTier(Tier):
             with self._lock:
                 self._checking.difference_update(keys)
 
+    def recheck(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._absent.pop(k, None)
+
     def _note_absent(self, key: str) -> None:
         with self._lock:
             self._absent[key] = self._clock() + ABSENT_TTL_SECONDS
