@@ -410,9 +410,16 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
     assert second["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1024
     # the connector's own counter, through vLLM's stats pipeline (one step behind at most)
     assert server.tier_metric("tokens_loaded", "dram", wait_for=before + 1024) - before >= 1024
-    # KV loaded from the tier gives the same next-token distribution as computing it
-    assert second["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
-        first["choices"][0]["logprobs"]["token_logprobs"], abs=1e-3)
+    # KV loaded from the tier gives the same next-token distribution as computing it:
+    # the first token (attending over every loaded position, the partly filled last
+    # block included) to 1e-3; later tokens also attend over the prompt's last position,
+    # computed alone here and in a 1,500-token batch there: bf16 rounding moves them by
+    # a few 1e-3. (Leaving that last block stale moved logprobs by ~2e-2 in a check on
+    # the same model.)
+    lp1, lp2 = (r["choices"][0]["logprobs"]["token_logprobs"] for r in (first, second))
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert lp2[0] == pytest.approx(lp1[0], abs=1e-3)
+    assert lp2 == pytest.approx(lp1, abs=1e-2)
     assert server.tier_metric("hits", "dram", wait_for=4) >= 4
 
 
