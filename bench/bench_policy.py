@@ -68,13 +68,53 @@ def memory_per_chunk(policy_name: str, n: int = 50_000, chain: int = 8) -> float
     return used / len(p)
 
 
+README_BEGIN = "<!-- bench_policy: begin (written by python -m bench.bench_policy; do not edit) -->"
+README_END = "<!-- bench_policy: end -->"
+
+
+def readme_section(payload: dict) -> str:
+    """The README's statement of the policy result: hit ratios, the best baseline and the
+    share of the LRU-to-Belady gap closed, per capacity."""
+    ratio, ours = payload["token_hit_ratio"], payload["ours"]
+    lines = [README_BEGIN, "",
+             f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
+             "[bench/results/policy.md](bench/results/policy.md)):", "",
+             "| capacity | LRU | best of LRU, ARC, S3-FIFO | "
+             f"`{ours}` | Belady (offline) | LRU→Belady gap closed |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for i, (f, cap) in enumerate(zip(payload["fractions"], payload["capacity_blocks"])):
+        best = max(ratio[p][i] for p in ("lru", "arc", "s3fifo"))
+        lines.append(f"| {f:.0%} ({cap:,} blocks) | {ratio['lru'][i]:.4f} | {best:.4f} | "
+                     f"{ratio[ours][i]:.4f} | {ratio['belady'][i]:.4f} | {payload['gap_closed'][i]:.1%} |")
+    return "\n".join(lines + ["", README_END])
+
+
+def write_readme(payload: dict, readme: Path = ROOT / "README.md") -> bool:
+    """Replace the section between the markers in README.md; False when they are missing."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    before, rest = text.split(README_BEGIN, 1)
+    readme.write_text(before + readme_section(payload) + rest.split(README_END, 1)[1])
+    return True
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--hint-window-ms", type=float, default=1000.0)
     ap.add_argument("--memory-chunks", type=int, default=50_000)
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite README.md's policy section from the saved policy.json")
     args = ap.parse_args(argv)
+    if args.render:
+        payload = json.loads((Path(args.out_dir) / "policy.json").read_text())
+        if not write_readme(payload):
+            print("README.md has no policy section markers", file=sys.stderr)
+            return 1
+        print(readme_section(payload))
+        return 0
 
     requests = load_trace(args.trace)
     distinct = distinct_blocks(requests)
@@ -164,6 +204,8 @@ def main(argv: List[str] | None = None) -> int:
         "generated_unix": int(time.time()),
     }
     (out / "policy.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if out.resolve() == (ROOT / "bench" / "results").resolve() and write_readme(payload):
+        print("README.md: policy section updated")
 
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib

@@ -655,13 +655,82 @@ def parse_args(argv=None):
     return args
 
 
+README_BEGIN = "<!-- bench_ttft: begin (written by python -m bench.bench_ttft; do not edit) -->"
+README_END = "<!-- bench_ttft: end -->"
+README_ROWS = ["cold", "l0", "l0 1-token", "ours-dram", "lmcache-dram", "example-warm", "ours-disk",
+               "lmcache-disk", "example-disk", "ours-l3"]
+
+
+def readme_section(result: dict) -> str:
+    """The README's summary of a run: median TTFT per row and size, the floors, the
+    acceptance targets and the throughput ratio."""
+    cfg, s = result["config"], result["summary"]
+    sizes = cfg["sizes"]
+    by = {(r["scenario"], r["size"]): r for r in s["table"]}
+    head = "| | " + " | ".join(f"{n} tokens" for n in sizes) + " |"
+    rule = "| --- |" + " ---: |" * len(sizes)
+    lines = [README_BEGIN, "",
+             f"Median TTFT in ms ({cfg['machine']}; model and method: "
+             "[bench/results/ttft.md](bench/results/ttft.md)):", "", head, rule]
+    for name in README_ROWS:
+        if any((name, n) in by for n in sizes):
+            lines.append(f"| {name} | " + " | ".join(fmt(by.get((name, n), {}).get("median_ms")) for n in sizes) + " |")
+    for kind, row in (("dram", "ours-dram"), ("disk", "ours-disk"), ("l3", "ours-l3")):
+        for key, label in (("floor_ms", f"{kind} floor (l0 + KV / bandwidth)"),
+                           ("floor1_ms", f"{kind} 1-token floor")):
+            vals = [by.get((row, n), {}).get(key) for n in sizes]
+            if any(v is not None for v in vals):
+                lines.append(f"| {label} | " + " | ".join(fmt(v) for v in vals) + " |")
+    lines += ["", "| ratio | " + " | ".join(str(n) for n in sizes) + " | target |",
+              "| --- |" + " ---: |" * len(sizes) + " --- |"]
+    targets: dict = {}
+    for t in s["targets"]:
+        targets.setdefault(t["ratio"], {})[t["size"]] = t
+    for name, per in targets.items():
+        if all(t["value"] is None for t in per.values()):
+            continue
+        limit = next(iter(per.values()))["target"]
+        cells = []
+        for n in sizes:
+            t = per.get(n)
+            v = fmt(t["value"], ".2f") if t else "–"
+            cells.append(f"**{v}**" if t and t["met"] is False else v)
+        tgt = "–" if limit is None else ("< 1" if limit == 1.0 else f"≤ {limit}")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tgt} |")
+    tp = s["throughput"]
+    if tp:
+        lines += ["", f"No-reuse throughput, with / without the connector: **{tp['ratio']:.3f}** "
+                  f"(target ≥ {tp['target']}; {tp['with_tokens_per_s']:,.0f} vs "
+                  f"{tp['without_tokens_per_s']:,.0f} tokens/s)."]
+    if result.get("errors"):
+        lines += ["", "Errors in this run: " + "; ".join(result["errors"])]
+    return "\n".join(lines + ["", README_END])
+
+
+def write_readme(result: dict, readme: str = os.path.join(REPO, "README.md")) -> bool:
+    """Replace the section between the markers in README.md; False when they are missing."""
+    with open(readme) as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    before, rest = text.split(README_BEGIN, 1)
+    after = rest.split(README_END, 1)[1]
+    with open(readme, "w") as f:
+        f.write(before + readme_section(result) + after)
+    return True
+
+
 def render(json_path: str) -> None:
-    """Rewrite the markdown next to a saved ttft.json (no measurement)."""
+    """Rewrite the markdown next to a saved ttft.json, and the README's section when it
+    is the committed result (no measurement)."""
     with open(json_path) as f:
         result = json.load(f)
     md = markdown(result)
-    with open(os.path.join(os.path.dirname(json_path), "ttft.md"), "w") as f:
+    out = os.path.dirname(os.path.abspath(json_path))
+    with open(os.path.join(out, "ttft.md"), "w") as f:
         f.write(md)
+    if out == os.path.join(REPO, "bench", "results"):
+        write_readme(result)
     print(md)
 
 
@@ -733,6 +802,9 @@ def main(argv=None) -> int:
         f.write(md)
     print("\n" + md)
     log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
+    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and not only:
+        if write_readme(result):
+            log("README.md: benchmark section updated")
     return 1 if bench.errors else 0
 
 
