@@ -49,8 +49,9 @@ class CacheConfig:
     shared_admission: str = "reused"
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     signing_key: str = ""
-    # Eviction/admission policy name (see cache.policy.POLICIES).
-    policy: str = "lru"
+    # Eviction/admission policy name (see cache.policy.POLICIES); the default is
+    # cache.policy.DEFAULT_POLICY (a test keeps the two equal).
+    policy: str = "prefix-adaptive"
     # Background threads that write entries down and load misses from slow tiers.
     io_threads: int = 2
 

@@ -29,7 +29,8 @@ def test_parse_size_rejects_nonsense(text):
 def test_defaults_and_extra_config_wins(tmp_path):
     cfg = build_cache_config(env(tmp_path), {"kvcache_cpu_size": "2MiB", "kvcache_chunk_tokens": 512})
     assert cfg.cpu_bytes == 2 * 2**20 and cfg.disk_bytes == 2**20 and cfg.chunk_tokens == 512
-    assert cfg.policy  # a default policy exists
+    from cache.policy import DEFAULT_POLICY
+    assert cfg.policy == DEFAULT_POLICY  # the store runs the recommended policy by default
 
 
 def test_size_above_ram_is_refused(tmp_path):

@@ -48,7 +48,11 @@ class WorkerSide:
         tiers = make_tiers(config, namespace.id)
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
-        self.store = TieredStore(tiers, namespace.digest, [make_policy(config.policy) for _ in tiers],
+        # Upper local tiers demote what they evict, so their policy takes every chunk; the
+        # last local tier's evictions are final, so its policy also judges admission.
+        n_local = sum(not t.shared for t in tiers)
+        policies = [make_policy(config.policy, last_tier=i >= n_local - 1) for i in range(len(tiers))]
+        self.store = TieredStore(tiers, namespace.digest, policies,
                                  signing_key=config.signing_key.encode(), io_threads=config.io_threads,
                                  shared_admission=config.shared_admission, thread_setup=self._thread_setup)
         if cpus:
