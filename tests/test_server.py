@@ -184,22 +184,19 @@ def test_engine_that_cannot_start_exits_1_naming_the_variable(tmp_path, model_pa
     assert "--max-model-len comes from SM_VLLM_MAX_MODEL_LEN" in run.stderr
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_path):
-    tmp = tmp_path_factory.mktemp("server")
+def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
+    """``python -m serving`` on the default model with its tiers under ``tmp``; returns
+    once ``/ping`` says 200 (the process is left running: ``stop_server``)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
-    (tmp / "l3").mkdir()
-    (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
     env.update({
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
         "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
         "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
-        "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
+        **env_extra,
     })
     log = tmp / "server.log"
     with open(log, "w") as out:
@@ -208,7 +205,7 @@ def server(tmp_path_factory, model_path):
     url = f"http://127.0.0.1:{port}"
     pings: list[tuple[int, float]] = []
     srv = Server(proc, url, log, tmp, pings)
-    deadline = time.monotonic() + 600  # the warm-up engine, then the serving engine
+    deadline = time.monotonic() + 600  # a warm-up engine (if any), then the serving engine
     try:
         while True:
             assert proc.poll() is None, f"server exited ({proc.returncode}):\n{srv.tail()}"
@@ -220,18 +217,37 @@ def server(tmp_path_factory, model_path):
                 status = 0  # not listening yet
             pings.append((status, time.monotonic() - t0))
             if status == 200:
-                break
+                return srv
             time.sleep(0.5)
+    except BaseException:
+        stop_server(srv)
+        raise
+
+
+def stop_server(srv: Server) -> None:
+    srv.client.close()
+    if srv.proc.poll() is None:
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            srv.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_path):
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "l3").mkdir()
+    (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
+    srv = start_server(tmp, model_path, {
+        "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
+        "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
+    })
+    try:
         yield srv
     finally:
-        srv.client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(srv)
 
 
 @engine
@@ -421,6 +437,28 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
     assert lp2[0] == pytest.approx(lp1[0], abs=1e-3)
     assert lp2 == pytest.approx(lp1, abs=1e-2)
     assert server.tier_metric("hits", "dram", wait_for=4) >= 4
+
+
+@engine
+def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_path, model_path):
+    """Two servers, each with its own DRAM and disk tiers, one shared L3 folder: a prompt
+    used twice on the first (so it is published) loads from L3 on the second, with the
+    logprobs of the first server's tier hit (the same KV bytes, one token computed)."""
+    prompt = "".join(chr(97 + (i * 5) % 26) for i in range(1300))
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 5}
+    server.post(body)
+    time.sleep(1.0)
+    first = server.post(body).json()  # a DRAM hit: a second use, published to L3
+    assert sum(first["kv_transfer_params"]["kvcache_loaded_tokens"].values()) >= 1024
+    other = start_server(tmp_path, model_path, {"KVCACHE_REMOTE_URL": f"file://{server.tiers}/l3/kv"})
+    try:
+        second = other.post(body).json()
+    finally:
+        stop_server(other)
+    loaded = second["kv_transfer_params"]["kvcache_loaded_tokens"]
+    assert loaded.get("remote", 0) >= 1024 and "dram" not in loaded and "disk" not in loaded
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
 
 
 @engine
