@@ -57,19 +57,18 @@ def store_saves(writer, meta):
 def test_cuts_whole_chunks_and_an_exact_tail(setup):
     side, _ = setup
     st = side._state(request("a", 1500))
-    assert [(c.start, c.end) for c in st.lookup] == [(0, 256), (256, 512), (512, 768), (768, 1024),
+    assert [(c.start, c.end) for c in st.chunks] == [(0, 256), (256, 512), (512, 768), (768, 1024),
                                                      (1024, 1280), (1280, 1500)]
-    assert st.saves == st.lookup
     # a prompt that ends exactly on a chunk boundary: whole chunks only
     st = side._state(request("b", 1024))
-    assert [(c.start, c.end) for c in st.lookup][-1] == (768, 1024)
+    assert [(c.start, c.end) for c in st.chunks][-1] == (768, 1024)
     # a one-token tail would load nothing: left out
-    assert [(c.start, c.end) for c in side._state(request("c", 1025)).lookup][-1] == (768, 1024)
+    assert [(c.start, c.end) for c in side._state(request("c", 1025)).chunks][-1] == (768, 1024)
     # shorter than a block: one tail chunk
-    assert [(c.start, c.end) for c in side._state(request("d", 100)).lookup] == [(0, 100)]
-    assert side._state(request("e", 1)).lookup == []
+    assert [(c.start, c.end) for c in side._state(request("d", 100)).chunks] == [(0, 100)]
+    assert side._state(request("e", 1)).chunks == []
     # the tail is keyed by exactly its tokens: a longer prompt shares the whole chunks only
-    a, longer = side._state(request("a", 1500)).lookup, side._state(request("f", 1600)).lookup
+    a, longer = side._state(request("a", 1500)).chunks, side._state(request("f", 1600)).chunks
     assert [c.key for c in a[:5]] == [c.key for c in longer[:5]] and a[5].key != longer[5].key
 
 
@@ -94,7 +93,7 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     side.update_state_after_alloc(again, Blocks(list(range(12))), 1499 - 384)
     meta = side.build_connector_meta(output())
     (load,) = meta.loads
-    assert meta.upcoming == [c.key for c in side.requests["b"].lookup]  # protected until loaded
+    assert meta.upcoming == [c.key for c in side.requests["b"].chunks]  # protected until loaded
     assert load.chunks[0].first == 1 and load.chunks[0].block_ids == [3]
     assert [b for c in load.chunks for b in c.block_ids] == list(range(3, 12))
     assert side.request_finished(again) == {"dram": 1499 - 384}

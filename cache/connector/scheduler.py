@@ -61,9 +61,8 @@ class Chunk:
 @dataclass
 class RequestState:
     request: "Request"
-    lookup: list[Chunk] = field(default_factory=list)   # chunks up to align(n - 1)
-    saves: list[Chunk] = field(default_factory=list)    # chunks to store once computed
-    next_save: int = 0
+    chunks: list[Chunk] = field(default_factory=list)   # looked up, and saved once computed
+    next_save: int = 0                                   # first chunk not yet saved
     n_tokens: int = -1                                   # token count the chunks were cut for
     pending_load: Optional[LoadRequest] = None
     planned: dict[str, int] = field(default_factory=dict)
@@ -99,12 +98,12 @@ class SchedulerSide:
             st = self.requests[request.request_id] = RequestState(request)
         tokens = request.prompt_token_ids or []
         if st.n_tokens != len(tokens):
-            st.lookup, st.saves = self._cut(tokens, request)
+            st.chunks = self._cut(tokens, request)
             st.n_tokens = len(tokens)
         return st
 
-    def _cut(self, tokens, request) -> tuple[list[Chunk], list[Chunk]]:
-        """The prompt's chunks, for lookups and for saves (the same list)."""
+    def _cut(self, tokens, request) -> list[Chunk]:
+        """The prompt's chunks, for lookups and for saves alike."""
         salt = f"lora:{request.lora_request.lora_name}" if getattr(request, "lora_request", None) else ""
         n, c = len(tokens), self.chunk
         full, tail = divmod(n, c)
@@ -112,8 +111,7 @@ class SchedulerSide:
             tail = 0
         keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
         bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
-        chunks = [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
-        return chunks, chunks
+        return [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
 
     def _cacheable(self, request: "Request") -> bool:
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
@@ -133,20 +131,20 @@ class SchedulerSide:
         st.pending_load = None
         if not self._wants(request, "load"):
             return 0, False
-        keys = [c.key for c in st.lookup]
+        keys = [c.key for c in st.chunks]
         # One lookup per rank's view; a chunk counts when every rank has it, and it
         # loads from the slowest tier any rank holds it in.
         per_view = [v.lookup(keys) for v in self.views]
         found = min(map(len, per_view)) if per_view else 0
-        if (found < len(keys) and st.lookup[-1].end > num_computed_tokens
+        if (found < len(keys) and st.chunks[-1].end > num_computed_tokens
                 and (self._awaiting_save(keys[found]) or self._awaiting_shared(st, keys[found:]))):
             return None, False  # ask again at the next step
         tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
-        hit_end = min(st.lookup[found - 1].end, st.n_tokens - 1) if found else 0
+        hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
         if hit_end <= num_computed_tokens:
             return 0, False
-        self._upcoming.update(dict.fromkeys(c.key for c in st.lookup[:found]))
-        needed = [i for i in range(found) if st.lookup[i].end > num_computed_tokens]
+        self._upcoming.update(dict.fromkeys(c.key for c in st.chunks[:found]))
+        needed = [i for i in range(found) if st.chunks[i].end > num_computed_tokens]
         # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
         # shared tier even when it is the only one, load on worker threads.
         first = self.views[0].tiers[0] if self.views[0].n_local else None
@@ -155,10 +153,10 @@ class SchedulerSide:
         names = [t.name for t in self.views[0].tiers]
         st.planned = {}
         for i in needed:
-            n = min(st.lookup[i].end, hit_end) - max(st.lookup[i].start, num_computed_tokens)
+            n = min(st.chunks[i].end, hit_end) - max(st.chunks[i].start, num_computed_tokens)
             st.planned[names[tiers[i]]] = st.planned.get(names[tiers[i]], 0) + n
-        chunks = [ChunkIO(st.lookup[i].key, st.lookup[i].parent, [],
-                          max(0, num_computed_tokens - st.lookup[i].start) // self.block_size)
+        chunks = [ChunkIO(st.chunks[i].key, st.chunks[i].parent, [],
+                          max(0, num_computed_tokens - st.chunks[i].start) // self.block_size)
                   for i in needed]
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous)
         return hit_end - num_computed_tokens, asynchronous
@@ -177,15 +175,10 @@ class SchedulerSide:
         return now < st.probe_until
 
     def _awaiting_save(self, key: str) -> bool:
-        """Whether ``key`` was sent to be saved and has not settled yet (nor timed out)."""
+        """Whether ``key`` was sent to be saved and has not settled yet (nor timed out;
+        ``build_connector_meta`` drops timed-out entries)."""
         pending = self._saving.get(key)
-        if pending is None:
-            return False
-        if time.monotonic() < pending[1]:
-            return True
-        del self._saving[key]
-        log.debug("kvcache: save of chunk %s not reported within %.1f s", key, SAVE_WAIT_MAX_S)
-        return False
+        return pending is not None and time.monotonic() < pending[1]
 
     def saves_settled(self, keys: list[str]) -> None:
         """Workers settled these saves (one entry per rank). A shared tier's view asks
@@ -208,7 +201,7 @@ class SchedulerSide:
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
-        by_key = {c.key: c for c in st.lookup}
+        by_key = {c.key: c for c in st.chunks}
         b = self.block_size
         for chunk in load.chunks:
             c = by_key[chunk.key]
@@ -228,12 +221,12 @@ class SchedulerSide:
             del self._saving[next(iter(self._saving))]
         for req_id, computed in scheduled:
             st = self.requests.get(req_id)
-            if st is None or not st.saves or not self._wants(st.request, "save"):
+            if st is None or not st.chunks or not self._wants(st.request, "save"):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
             block_ids = None
-            while st.next_save < len(st.saves) and st.saves[st.next_save].end <= done:
-                c = st.saves[st.next_save]
+            while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
+                c = st.chunks[st.next_save]
                 st.next_save += 1
                 if c.key in self._saving or all(v.lookup([c.key], local_only=v.n_local > 0) for v in self.views):
                     continue  # being saved, or stored (by us, another engine, an earlier turn)
