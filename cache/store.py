@@ -172,8 +172,7 @@ class TieredStore:
         if self.policies is not None:
             def pool(n: int, role: str) -> ThreadPoolExecutor:
                 return ThreadPoolExecutor(n, thread_name_prefix=f"kvcache-{role}",
-                                          initializer=thread_setup, initargs=(role,)) if thread_setup \
-                    else ThreadPoolExecutor(n, thread_name_prefix=f"kvcache-{role}")
+                                          initializer=thread_setup, initargs=(role,))
 
             self._io = pool(io_threads, "read")
             self._writer = pool(1, "write")
@@ -256,12 +255,11 @@ class TieredStore:
         assert self._io is not None, "lookup-only store"
         nbytes = memoryview(payload).nbytes
         with self._lock:
-            if self._pending_bytes + nbytes > self._max_pending:
+            dropped = self._pending_bytes + nbytes > self._max_pending
+            if dropped:
                 self.stats.dropped_writes += 1
-                dropped = True
             else:
                 self._pending_bytes += nbytes
-                dropped = False
         if dropped:
             if on_done is not None:
                 on_done(key)
