@@ -59,7 +59,7 @@ class FileTier(Tier):
         self.use_mmap = use_mmap
         os.makedirs(self.folder, exist_ok=True)
         self._host = socket.gethostname()
-        self._claims: dict[str, str] = {}  # key -> its reserved temporary file
+        self._claims: dict[str, tuple[str, int]] = {}  # key -> its claim's temporary file, open fd
         self._lock_path = os.path.join(root, ".lock")
         self._usage_path = os.path.join(root, ".usage")
         for p in (self._lock_path, self._usage_path):
@@ -98,24 +98,27 @@ class FileTier(Tier):
     def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
         """With ``key``, the claim is also a temporary file named after it, created under
         the folder lock: a ``scan`` by another process at any moment counts it (a claim
-        only in ``.usage`` would be lost to that recount)."""
-        tmp = None
-        if key is not None:
-            final = self.path(key)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = self._tmp_name(final, nbytes)
+        only in ``.usage`` would be lost to that recount). ``write`` fills that file."""
         with self._locked_usage() as usage:
             used = self._get(usage)
             if used + nbytes > self.capacity:
                 return False
-            if tmp is not None:
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-                self._claims[key] = tmp
+            if key is not None:
+                self._claims[key] = self._open_tmp(key, nbytes)
             self._put(usage, used + nbytes)
             return True
 
-    def _tmp_name(self, final: str, nbytes: int) -> str:
-        return f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
+    def _open_tmp(self, key: str, nbytes: int) -> tuple[str, int]:
+        """A new temporary file beside ``key``'s path, named with the bytes it claims
+        (``scan`` reads them back): its path and an open write descriptor."""
+        final = self.path(key)
+        tmp = f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            return tmp, os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # the key's shard folder does not exist yet
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            return tmp, os.open(tmp, flags, 0o644)
 
     def release(self, nbytes: int) -> None:
         with self._locked_usage() as usage:
@@ -155,14 +158,10 @@ class FileTier(Tier):
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self.path(key)
-        tmp = self._claims.pop(key, None)
+        tmp = None
         try:
-            if tmp is None:  # reserved without a key: the temporary file starts here
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                tmp = self._tmp_name(final, nbytes)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            else:
-                fd = os.open(tmp, os.O_WRONLY)
+            # The claim's file from ``reserve``, or (reserved without a key) a new one.
+            tmp, fd = self._claims.pop(key, None) or self._open_tmp(key, nbytes)
             try:
                 views = [memoryview(p).cast("B") for p in parts]
                 while views:
