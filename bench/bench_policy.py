@@ -32,6 +32,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import readme  # noqa: E402
 from cache.policy import DEFAULT_POLICY, make_policy  # noqa: E402
 from cache.replay import (  # noqa: E402
     capacity_for_fraction,
@@ -68,16 +69,11 @@ def memory_per_chunk(policy_name: str, n: int = 50_000, chain: int = 8) -> float
     return used / len(p)
 
 
-README_BEGIN = "<!-- bench_policy: begin (written by python -m bench.bench_policy; do not edit) -->"
-README_END = "<!-- bench_policy: end -->"
-
-
 def readme_section(payload: dict) -> str:
     """The README's statement of the policy result: hit ratios, the best baseline and the
     share of the LRU-to-Belady gap closed, per capacity."""
     ratio, ours = payload["token_hit_ratio"], payload["ours"]
-    lines = [README_BEGIN, "",
-             f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
+    lines = [f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
              "[bench/results/policy.md](bench/results/policy.md)):", "",
              "| capacity | LRU | best of LRU, ARC, S3-FIFO | "
              f"`{ours}` | Belady (offline) | LRU→Belady gap closed |",
@@ -86,17 +82,12 @@ def readme_section(payload: dict) -> str:
         best = max(ratio[p][i] for p in ("lru", "arc", "s3fifo"))
         lines.append(f"| {f:.0%} ({cap:,} blocks) | {ratio['lru'][i]:.4f} | {best:.4f} | "
                      f"{ratio[ours][i]:.4f} | {ratio['belady'][i]:.4f} | {payload['gap_closed'][i]:.1%} |")
-    return "\n".join(lines + ["", README_END])
+    return "\n".join(lines)
 
 
-def write_readme(payload: dict, readme: Path = ROOT / "README.md") -> bool:
-    """Replace the section between the markers in README.md; False when they are missing."""
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        return False
-    before, rest = text.split(README_BEGIN, 1)
-    readme.write_text(before + readme_section(payload) + rest.split(README_END, 1)[1])
-    return True
+def write_readme(payload: dict) -> bool:
+    """The README's ``bench_policy`` section from ``payload``; False when it has none."""
+    return readme.replace_section("bench_policy", readme_section(payload))
 
 
 def main(argv: List[str] | None = None) -> int:

@@ -56,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench import pagecache, peers  # noqa: E402
+from bench import pagecache, peers, readme  # noqa: E402
 from bench.ttft_engine import EngineProcess  # noqa: E402
 
 # 12 layers x 768 (bf16) took 153 s for one cold 4K prefill on this 2-core AVX2 machine
@@ -427,9 +427,12 @@ class Bench:
                 f"  cold read {b['disk']['bytes_per_s'] / 1e9:5.2f} GB/s")
 
     # -- report ------------------------------------------------------------------
+    # Suffix of the rows measured in a tier's own engine ("l0 (disk engine)" ...).
+    ENGINE_OF = {"dram": "", "disk": " (disk engine)", "l3": " (l3 engine)"}
+
     def l0_for(self, kind: Optional[str], size: int) -> Optional[Row]:
-        own = {"disk": "l0 (disk engine)", "l3": "l0 (l3 engine)"}.get(kind or "")
-        for name in ((own, "l0") if own else ("l0",)):
+        own = "l0" + self.ENGINE_OF.get(kind or "", "")
+        for name in dict.fromkeys((own, "l0")):
             row = self.rows.get((name, size))
             if row is not None and row.median_ms is not None:
                 return row
@@ -441,8 +444,7 @@ class Bench:
         tier's bandwidth. The base is the issue's l0 (vLLM's own hit, which computes the
         last partial block) or, with ``one_token``, the one-token hit ("l0 1-token ...":
         the compute no hit can avoid)."""
-        l0 = (self.rows.get(({"dram": "l0 1-token", "disk": "l0 1-token (disk engine)",
-                               "l3": "l0 1-token (l3 engine)"}[kind], size)) if one_token
+        l0 = (self.rows.get(("l0 1-token" + self.ENGINE_OF[kind], size)) if one_token
               else self.l0_for(kind, size))
         if l0 is None or l0.median_ms is None:
             return None
@@ -661,8 +663,6 @@ def parse_args(argv=None):
     return args
 
 
-README_BEGIN = "<!-- bench_ttft: begin (written by python -m bench.bench_ttft; do not edit) -->"
-README_END = "<!-- bench_ttft: end -->"
 README_ROWS = ["cold", "l0", "l0 1-token", "ours-dram", "lmcache-dram", "example-warm", "ours-disk",
                "lmcache-disk", "example-disk", "ours-l3"]
 
@@ -675,8 +675,7 @@ def readme_section(result: dict) -> str:
     by = {(r["scenario"], r["size"]): r for r in s["table"]}
     head = "| | " + " | ".join(f"{n} tokens" for n in sizes) + " |"
     rule = "| --- |" + " ---: |" * len(sizes)
-    lines = [README_BEGIN, "",
-             f"Median TTFT in ms ({cfg['machine']}; model and method: "
+    lines = [f"Median TTFT in ms ({cfg['machine']}; model and method: "
              "[bench/results/ttft.md](bench/results/ttft.md)):", "", head, rule]
     for name in README_ROWS:
         if any((name, n) in by for n in sizes):
@@ -711,20 +710,12 @@ def readme_section(result: dict) -> str:
                   f"{tp['without_tokens_per_s']:,.0f} tokens/s)."]
     if result.get("errors"):
         lines += ["", "Errors in this run: " + "; ".join(result["errors"])]
-    return "\n".join(lines + ["", README_END])
+    return "\n".join(lines)
 
 
-def write_readme(result: dict, readme: str = os.path.join(REPO, "README.md")) -> bool:
-    """Replace the section between the markers in README.md; False when they are missing."""
-    with open(readme) as f:
-        text = f.read()
-    if README_BEGIN not in text or README_END not in text:
-        return False
-    before, rest = text.split(README_BEGIN, 1)
-    after = rest.split(README_END, 1)[1]
-    with open(readme, "w") as f:
-        f.write(before + readme_section(result) + after)
-    return True
+def write_readme(result: dict) -> bool:
+    """The README's ``bench_ttft`` section from ``result``; False when it has none."""
+    return readme.replace_section("bench_ttft", readme_section(result))
 
 
 def render(json_path: str) -> None:
