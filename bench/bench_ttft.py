@@ -177,9 +177,10 @@ class Bench:
             raise AssertionError(f"{who}: expected at least {want} cached tokens, got {got}")
         return got
 
-    def drop(self, folder: str, scenario: str, size: int) -> None:
+    def drop(self, folder: str, scenario: str, size: int) -> dict:
         """Drop ``folder`` from the page cache and check it; pages still being written
-        back cannot be dropped, so retry for a few seconds before failing."""
+        back cannot be dropped, so retry for a few seconds before failing. Returns the
+        bytes still resident (``resident_after_drop``), to record with the sample."""
         for attempt in range(20):
             check = pagecache.drop_checked(folder)
             if check["resident_after"] <= 0.01 * max(check["bytes"], 1):
@@ -189,6 +190,7 @@ class Bench:
         if check["resident_after"] > 0.01 * max(check["bytes"], 1):
             raise AssertionError(f"{scenario}: {check['resident_after']:,} of {check['bytes']:,} bytes "
                                  f"still in the page cache after dropping {folder}")
+        return {"resident_after_drop": check["resident_after"]}
 
     @staticmethod
     def wait_stable(folder: str, min_bytes: int = 0, quiet_s: float = 1.0, timeout: float = 120) -> int:
@@ -270,16 +272,8 @@ class Bench:
                 p = self.prompt("ours-disk", size)
                 self.ttft(e, p, reset=False)  # populate the disk tier (and warm up this size)
                 self.wait_stable(disk)
-                for i in range(1 + self.hit_repeats):  # the first pair is a warm-up
-                    self.drop(disk, "ours-disk", size)
-                    r = self.ttft(e, p, reset=True)
-                    hit = self.ours_loaded(r, "disk", self.ours(size))
-                    r0 = self.ttft(e, p, reset=False, ours=False)
-                    hit0 = self.peer_hit(r0, self.loadable(size), "l0 (disk engine)")
-                    if i:
-                        self.record("ours-disk", size, r, hit, resident_after_drop=self.checks[-1]["resident_after"])
-                        self.record("l0 (disk engine)", size, r0, hit0)
-                    self.one_token_l0(e, p, "l0 1-token (disk engine)", size, record=bool(i))
+                self.tier_hits(e, "disk", "ours-disk", p, size,
+                               before=lambda: self.drop(disk, "ours-disk", size))
 
     def run_ours_l3(self) -> None:
         """ours-l3, each sample followed by the same prompt from vLLM's prefix cache
@@ -295,15 +289,26 @@ class Bench:
                 p = self.prompt("ours-l3", size)
                 self.ttft(e, p, reset=False)  # compute and publish (and warm up this size)
                 self.wait_stable(root, quiet_s=2.0)
-                for i in range(1 + self.hit_repeats):  # the first pair is a warm-up
-                    r = self.ttft(e, p, reset=True)
-                    hit = self.ours_loaded(r, "remote", self.ours(size))
-                    r0 = self.ttft(e, p, reset=False, ours=False)
-                    hit0 = self.peer_hit(r0, self.loadable(size), "l0 (l3 engine)")
-                    if i:
-                        self.record("ours-l3", size, r, hit)
-                        self.record("l0 (l3 engine)", size, r0, hit0)
-                    self.one_token_l0(e, p, "l0 1-token (l3 engine)", size, record=bool(i))
+                self.tier_hits(e, "l3", "ours-l3", p, size)
+
+    def tier_hits(self, e: EngineProcess, kind: str, row: str, p: list[int], size: int,
+                  before: Optional[Callable[[], dict]] = None) -> None:
+        """Samples of ``row``, hits of ``p`` from our ``kind`` tier (prefix cache reset),
+        each followed by ``p`` again from vLLM's prefix cache (the engine's l0) and by the
+        one-token l0. ``before()`` runs before each hit and returns details to record with
+        it. The first round is a warm-up."""
+        tier = {"disk": "disk", "l3": "remote"}[kind]
+        l0 = "l0" + self.ENGINE_OF[kind]
+        for i in range(1 + self.hit_repeats):
+            detail = before() if before else {}
+            r = self.ttft(e, p, reset=True)
+            hit = self.ours_loaded(r, tier, self.ours(size))
+            r0 = self.ttft(e, p, reset=False, ours=False)
+            hit0 = self.peer_hit(r0, self.loadable(size), l0)
+            if i:
+                self.record(row, size, r, hit, **detail)
+                self.record(l0, size, r0, hit0)
+            self.one_token_l0(e, p, "l0 1-token" + self.ENGINE_OF[kind], size, record=bool(i))
 
     def one_token_l0(self, e: EngineProcess, p: list[int], row: str, size: int, record: bool = True) -> None:
         """The base of the floors: ``p`` plus one token, right after ``p`` itself was
@@ -374,11 +379,9 @@ class Bench:
                 # ("l0 (example engine)"), as ours are: the hit's cost over l0 in its engine.
                 for row in ("example-warm", "example-disk"):
                     for _ in range(self.hit_repeats):
-                        if row == "example-disk":
-                            self.drop(store, row, size)
+                        detail = self.drop(store, row, size) if row == "example-disk" else {}
                         r = self.ttft(e, p, reset=True)
-                        self.record(row, size, r, self.peer_hit(r, self.loadable(size), row),
-                                    resident_after_drop=self.checks[-1]["resident_after"] if row == "example-disk" else None)
+                        self.record(row, size, r, self.peer_hit(r, self.loadable(size), row), **detail)
                         r0 = self.ttft(e, p, reset=False)
                         self.record("l0 (example engine)", size, r0, self.peer_hit(r0, self.loadable(size), "l0 (example engine)"))
 

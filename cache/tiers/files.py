@@ -146,13 +146,7 @@ class FileTier(Tier):
                 return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                  prot=mmap.PROT_READ)
             buf = np.empty(size, dtype=np.uint8)
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-            return buf[:got]
+            return buf[:read_into(fd, memoryview(buf))]
         finally:
             os.close(fd)
 
@@ -252,6 +246,17 @@ class FileTier(Tier):
                 pass
             return 0
         return reserved
+
+
+def read_into(fd: int, view: memoryview) -> int:
+    """Read from ``fd`` into ``view`` until it is full or the file ends; bytes read."""
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def _alive(pid: int) -> bool:

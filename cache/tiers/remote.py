@@ -273,13 +273,11 @@ class RemoteTier(Tier):
         return self._ops
 
     def _do(self, op: str, *args):
+        if self._pacer is None or op not in ("read", "write"):
+            return getattr(self._fs(), op)(*args)
         started = self._clock()
         result = getattr(self._fs(), op)(*args)
-        if self._pacer is not None:
-            if op == "read":
-                self._pacer.take(len(result), started)
-            elif op == "write":
-                self._pacer.take(sum(memoryview(p).nbytes for p in args[1]), started)
+        self._pacer.take(len(result) if op == "read" else sum(memoryview(p).nbytes for p in args[1]), started)
         return result
 
     def _submit(self, op: str, *args) -> Future:
