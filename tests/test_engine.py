@@ -81,6 +81,7 @@ def one_engine(model_path, tmp):
             {"prompt_token_ids": PA},
             {"prompt_token_ids": PA},
             {"reset_prefix_cache": True},
+            {"sleep": 1.0},  # this test is about logprobs, not about waiting for saves in flight
             {"prompt_token_ids": PA},
             {"sleep": 1.0},
         ],

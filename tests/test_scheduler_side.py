@@ -162,14 +162,25 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
     side.saves_settled([c.key for c in meta.saves] * 2)
     assert side.get_num_new_matched_tokens(request("d", 700, seed=3), 0) == (0, False)
 
-    # a report that never comes: the wait ends at its deadline
+    # the wait counts from the waiting request, not from the save: a save sent before a
+    # forward pass longer than the wait still defers a request that arrives after it
+    import cache.connector.scheduler as sched
+    clock = [sched.time.monotonic()]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
     side.get_num_new_matched_tokens(request("e", 700, seed=4), 0)
     side.build_connector_meta(output(new=[("e", 0)], scheduled={"e": 700}))
-    assert side.get_num_new_matched_tokens(request("f", 700, seed=4), 0) == (None, False)
-    import cache.connector.scheduler as sched
-    clock = sched.time.monotonic() + sched.SAVE_WAIT_MAX_S + 1
-    monkeypatch.setattr(sched.time, "monotonic", lambda: clock)
-    assert side.get_num_new_matched_tokens(request("f", 700, seed=4), 0) == (0, False)
+    clock[0] += sched.SAVE_WAIT_MAX_S + 1
+    f = request("f", 700, seed=4)
+    assert side.get_num_new_matched_tokens(f, 0) == (None, False)
+    # a report that never comes: the request's wait ends at its deadline
+    clock[0] += sched.SAVE_WAIT_MAX_S / 2
+    assert side.get_num_new_matched_tokens(f, 0) == (None, False)
+    clock[0] += sched.SAVE_WAIT_MAX_S / 2 + 0.01
+    assert side.get_num_new_matched_tokens(f, 0) == (0, False)
+    # and the lost report is forgotten in the end
+    clock[0] += sched.SAVE_REPORT_LOST_S
+    side.build_connector_meta(output())
+    assert side._saving == {}
 
 
 def test_a_request_can_opt_out_of_loading_or_saving(setup):

@@ -14,7 +14,10 @@ Saves in flight. Saves are written behind the forward pass, so a request can arr
 before the chunks an earlier request just computed are on a tier (the same prompt
 again once vLLM's own prefix cache dropped it, the warm tool's second pass). A request
 whose next missing chunk is still being written is deferred the same way until every
-rank's worker reports that save settled (``saves_settled``) or ``SAVE_WAIT_MAX_S`` passes.
+rank's worker reports that save settled (``saves_settled``), at most ``SAVE_WAIT_MAX_S``
+from its first deferral. (That wait counts from the request, not from the save: a save
+is sent before the forward pass that computes its chunk, and a long prefill on a slow
+host may take longer than the wait.)
 
 Chunk boundaries. A prompt of *n* tokens is cut into whole chunks and one partial
 *tail* chunk holding the rest of the prompt (keyed by exactly those tokens); saves and
@@ -48,6 +51,8 @@ LOOKUP_WAIT_MAX_S = 0.5
 # Longest a request waits for a chunk an earlier step sent to be saved (write-behind) to
 # land; normally the worker reports it settled within a step or two.
 SAVE_WAIT_MAX_S = 2.0
+# A save not reported settled this long after it was sent is forgotten (a report lost).
+SAVE_REPORT_LOST_S = 60.0
 
 
 @dataclass
@@ -68,6 +73,7 @@ class RequestState:
     planned: dict[str, int] = field(default_factory=dict)
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
+    save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
     issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
 
 
@@ -87,8 +93,8 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
-        # Saves sent to workers and not yet settled: key -> [ranks left, deadline], in
-        # the order sent (so deadlines ascend).
+        # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
+        # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
 
     # -- chunking --------------------------------------------------------------
@@ -137,7 +143,7 @@ class SchedulerSide:
         per_view = [v.lookup(keys) for v in self.views]
         found = min(map(len, per_view)) if per_view else 0
         if (found < len(keys) and st.chunks[-1].end > num_computed_tokens
-                and (self._awaiting_save(keys[found]) or self._awaiting_shared(st, keys[found:]))):
+                and (self._awaiting_save(st, keys[found]) or self._awaiting_shared(st, keys[found:]))):
             return None, False  # ask again at the next step
         tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
         hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
@@ -174,11 +180,15 @@ class SchedulerSide:
             st.probe_until = now + self.lookup_wait
         return now < st.probe_until
 
-    def _awaiting_save(self, key: str) -> bool:
-        """Whether ``key`` was sent to be saved and has not settled yet (nor timed out;
-        ``build_connector_meta`` drops timed-out entries)."""
-        pending = self._saving.get(key)
-        return pending is not None and time.monotonic() < pending[1]
+    def _awaiting_save(self, st: RequestState, key: str) -> bool:
+        """Whether to defer the request while ``key`` is being saved: until the save
+        settles, at most ``SAVE_WAIT_MAX_S`` after the request's first deferral."""
+        if key not in self._saving:
+            return False
+        now = time.monotonic()
+        if st.save_wait_until is None:
+            st.save_wait_until = now + SAVE_WAIT_MAX_S
+        return now < st.save_wait_until
 
     def saves_settled(self, keys: list[str]) -> None:
         """Workers settled these saves (one entry per rank). A shared tier's view asks
@@ -217,7 +227,7 @@ class SchedulerSide:
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
         now = time.monotonic()
-        while self._saving and next(iter(self._saving.values()))[1] <= now:  # reports lost
+        while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
             del self._saving[next(iter(self._saving))]
         for req_id, computed in scheduled:
             st = self.requests.get(req_id)
@@ -234,7 +244,7 @@ class SchedulerSide:
                     block_ids = self._kv_manager().get_block_ids(req_id)[0]
                 meta.saves.append(ChunkIO(c.key, c.parent,
                                           list(block_ids[c.start // self.block_size: -(-c.end // self.block_size)])))
-                self._saving[c.key] = [len(self.views), now + SAVE_WAIT_MAX_S]
+                self._saving[c.key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
