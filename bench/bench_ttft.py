@@ -31,8 +31,8 @@ token, sent right after the prompt): the compute no hit can avoid. Bandwidth: me
 DRAM, a cold read for disk, the cap for L3. The KV bytes are those of all but the
 prompt's last token (what our hit loads). Both bases are measured alternately with the
 tier's hits, in the same engine.
-Then the throughput of a no-reuse batch with and without our connector (two engines
-alive at once, rounds alternated).
+Then the throughput of no-reuse batches with and without our connector (two engines of
+each kind alive at once, rounds alternated; see ``run_throughput``).
 
 See bench/README.md for what each row means and the acceptance targets.
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -386,15 +387,24 @@ class Bench:
                         self.record("l0 (example engine)", size, r0, self.peer_hit(r0, self.loadable(size), "l0 (example engine)"))
 
     def run_throughput(self) -> None:
-        """No reuse: a batch of distinct prompts, with and without our connector, alternated."""
+        """No reuse: batches of distinct prompts, with and without our connector.
+
+        ``--tput-instances`` engines of each kind are alive at once and take turns, every
+        round in the opposite order of the last. Two engines of one configuration differ
+        by several per cent on this machine (where their memory landed, what the host
+        did meanwhile), so one engine per kind would compare two instances more than
+        two configurations: the spread between same-kind instances is reported beside
+        the ratio (``summarize_throughput``)."""
         a = self.args
-        kv = peers.ours(os.path.join(self.shm, "tput"), a.tput_dram_size,
-                        os.path.join(self.work, "tput-disk"), a.disk_size)
+        names = [f"{kind}-{i}" for i in range(a.tput_instances) for kind in ("without", "with")]
         engines = {}
         try:
-            # Both start at once (nothing is timed yet); then they take turns.
-            engines["without"] = self.engine("tput-without", None, wait=False)
-            engines["with"] = self.engine("tput-with", kv, wait=False)
+            for name in names:  # all start at once (nothing is timed yet)
+                kv = None
+                if name.startswith("with-"):
+                    kv = peers.ours(os.path.join(self.shm, f"tput-{name}"), a.tput_dram_size,
+                                    os.path.join(self.work, "tput-disk", name), a.disk_size)
+                engines[name] = self.engine(f"tput-{name}", kv, wait=False)
             for name, e in engines.items():
                 e.wait_ready()
                 self.timings[f"start:tput-{name}"] = e.start_seconds
@@ -402,15 +412,14 @@ class Bench:
                                     for i in range(a.tput_prompts)]
             for name, e in engines.items():  # warm-up: one whole batch each, untimed
                 e.call(op="batch", prompts=batch(f"warm-{name}", 0), max_tokens=a.tput_max_tokens)
-            self.tput = {"without": [], "with": []}
+            self.tput = {name: [] for name in names}
             for rnd in range(a.tput_rounds):
-                order = ["without", "with"] if rnd % 2 == 0 else ["with", "without"]
-                for name in order:
-                    time.sleep(2.0)  # the other engine's write-behind is done
+                for name in (names if rnd % 2 == 0 else names[::-1]):
+                    time.sleep(2.0)  # the other engines' write-behind is done
                     r = engines[name].call(op="batch", prompts=batch(name, rnd + 1), max_tokens=a.tput_max_tokens)
                     tps = (r["prompt_tokens"] + r["output_tokens"]) / r["seconds"]
                     self.tput[name].append({**r, "tokens_per_s": tps})
-                    log(f"  throughput {name:8s} round {rnd}: {r['seconds']:.2f}s  {tps:,.0f} tok/s")
+                    log(f"  throughput {name:10s} round {rnd}: {r['seconds']:.2f}s  {tps:,.0f} tok/s")
         finally:
             for e in engines.values():
                 e.close()
@@ -516,19 +525,7 @@ class Bench:
             for name, value, limit in checks:
                 ok = None if value is None or limit is None else (value <= limit if limit != 1.0 else value < 1.0)
                 targets.append({"size": size, "ratio": name, "value": value, "target": limit, "met": ok})
-        tput = getattr(self, "tput", None)
-        tput_summary = None
-        if tput and tput["with"] and tput["without"]:
-            w = statistics.median(x["tokens_per_s"] for x in tput["with"])
-            wo = statistics.median(x["tokens_per_s"] for x in tput["without"])
-            # Rounds alternate (without, with | with, without | ...): the ratio of each
-            # round's pair cancels the machine's drift between pairs; its median is the
-            # figure the target is checked on.
-            paired = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                                       for a, b in zip(tput["with"], tput["without"]))
-            tput_summary = {"with_tokens_per_s": w, "without_tokens_per_s": wo, "ratio_of_medians": w / wo,
-                            "ratio": paired, "target": TARGETS["throughput"],
-                            "met": paired >= TARGETS["throughput"], "rounds": tput}
+        tput_summary = summarize_throughput(getattr(self, "tput", None) or {})
         return {"table": table, "targets": targets, "throughput": tput_summary}
 
     def over_paired(self, name: str, size: int) -> Optional[float]:
@@ -612,17 +609,56 @@ def markdown(result: dict) -> str:
         a = result["config"]["throughput"]
         lines += ["", "## No-reuse throughput", "",
                   f"{a['prompts']} distinct prompts of {a['len']} tokens, max_tokens {a['max_tokens']}, "
-                  f"submitted at once; {a['rounds']} rounds per engine, alternated.", "",
+                  f"submitted at once; {a['rounds']} rounds; in each, every engine runs one batch, "
+                  "in the opposite order of the round before.", "",
                   "| engine | median tokens/s | rounds (s) |", "| --- | ---: | --- |"]
-        for name in ("without", "with"):
-            lines.append(f"| {name} connector | {tp[name + '_tokens_per_s']:,.0f} | "
-                         + ", ".join(f"{x['seconds']:.2f}" for x in tp["rounds"][name]) + " |")
-        lines.append(f"\nwith / without, median of the rounds' paired ratios = **{tp['ratio']:.3f}** "
-                     f"(target ≥ {tp['target']}: {'met' if tp['met'] else 'NOT met'}); ratio of the "
-                     f"medians {tp.get('ratio_of_medians', tp['ratio']):.3f}")
+        for name, rounds in sorted(tp["rounds"].items()):
+            med = statistics.median(x["tokens_per_s"] for x in rounds)
+            lines.append(f"| {name} | {med:,.0f} | " + ", ".join(f"{x['seconds']:.2f}" for x in rounds) + " |")
+        lines.append(f"\nwith / without, median over rounds of the instances' paired ratio = "
+                     f"**{tp['ratio']:.3f}** (target ≥ {tp['target']}: {'met' if tp['met'] else 'NOT met'}); "
+                     f"ratio of the medians {tp.get('ratio_of_medians', tp['ratio']):.3f}")
+        if tp.get("instance_spread"):
+            lines[-1] += ("; the same statistic between two instances of one configuration (what the "
+                          "ratio reads when nothing differs): " + ", ".join(
+                              f"{k} {v:.3f}" for k, v in tp["instance_spread"].items()))
     if result["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def summarize_throughput(rounds: dict) -> Optional[dict]:
+    """The no-reuse throughput figures from each engine's rounds (``{"with-0": [...],
+    "without-0": [...], ...}``, one entry per round, tokens per second).
+
+    ``ratio`` (checked against the target): the median over rounds of the geometric
+    mean of the "with" instances over that of the "without" instances, so the machine's
+    drift between rounds cancels. ``instance_spread``: the same statistic between two
+    instances of one configuration (first over second, each kind), i.e. what the ratio
+    would read if the connector changed nothing."""
+    kinds = {k: sorted(n for n in rounds if n.rsplit("-", 1)[0] == k) for k in ("with", "without")}
+    if not all(kinds.values()) or not all(rounds[n] for n in rounds):
+        return None
+    n_rounds = min(len(v) for v in rounds.values())
+
+    def tps(name: str, r: int) -> float:
+        return rounds[name][r]["tokens_per_s"]
+
+    def gmean(xs) -> float:
+        return math.exp(sum(map(math.log, xs)) / len(xs))
+
+    def per_round(a: list, b: list) -> float:
+        return statistics.median(gmean([tps(n, r) for n in a]) / gmean([tps(n, r) for n in b])
+                                 for r in range(n_rounds))
+
+    medians = {k: statistics.median(tps(n, r) for n in names for r in range(n_rounds))
+               for k, names in kinds.items()}
+    ratio = per_round(kinds["with"], kinds["without"])
+    spread = {k: per_round(names[:1], names[1:2]) for k, names in kinds.items() if len(names) > 1}
+    return {"with_tokens_per_s": medians["with"], "without_tokens_per_s": medians["without"],
+            "ratio_of_medians": medians["with"] / medians["without"], "ratio": ratio,
+            "instance_spread": spread, "target": TARGETS["throughput"],
+            "met": ratio >= TARGETS["throughput"], "rounds": rounds}
 
 
 def log(msg: str) -> None:
@@ -649,10 +685,11 @@ def parse_args(argv=None):
     p.add_argument("--lmcache-l1-gb", type=float, default=2.0)
     p.add_argument("--l3-bandwidth", type=float, default=1.8e9,
                    help="bytes/s cap of the shared tier in the ours-l3 row (Curvine cross-node: 1.8 GB/s)")
-    p.add_argument("--tput-prompts", type=int, default=16)
+    p.add_argument("--tput-prompts", type=int, default=8)
     p.add_argument("--tput-len", type=int, default=1024)
     p.add_argument("--tput-max-tokens", type=int, default=16)
-    p.add_argument("--tput-rounds", type=int, default=8)
+    p.add_argument("--tput-rounds", type=int, default=10)
+    p.add_argument("--tput-instances", type=int, default=2, help="engines of each kind (with, without)")
     p.add_argument("--tput-dram-size", default="1GiB")
     args = p.parse_args(argv)
     if args.quick:
@@ -707,10 +744,13 @@ def readme_section(result: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {tgt} |")
     tp = s["throughput"]
     if tp:
+        n = len(next(iter(tp["rounds"].values())))
+        spread = tp.get("instance_spread") or {}
         lines += ["", f"No-reuse throughput, with / without the connector: **{tp['ratio']:.3f}** "
-                  f"(median of {len(tp['rounds']['with'])} alternated rounds' paired ratios; target ≥ "
-                  f"{tp['target']}; medians {tp['with_tokens_per_s']:,.0f} vs "
-                  f"{tp['without_tokens_per_s']:,.0f} tokens/s)."]
+                  f"(median of {n} alternated rounds' paired ratios; target ≥ {tp['target']}; medians "
+                  f"{tp['with_tokens_per_s']:,.0f} vs {tp['without_tokens_per_s']:,.0f} tokens/s"
+                  + ("; two instances of one configuration read " + " and ".join(
+                      f"{v:.3f}" for v in spread.values()) if spread else "") + ")."]
     if result.get("errors"):
         lines += ["", "Errors in this run: " + "; ".join(result["errors"])]
     return "\n".join(lines)
@@ -733,6 +773,19 @@ def render(json_path: str) -> None:
     if out == os.path.join(REPO, "bench", "results"):
         write_readme(result)
     print(md)
+
+
+def merge_throughput(saved_path: str, new: dict) -> dict:
+    """A saved full run with its throughput part (figures, settings, engine start times)
+    replaced by those of ``new``, a throughput-only run."""
+    with open(saved_path) as f:
+        result = json.load(f)
+    result["summary"]["throughput"] = new["summary"]["throughput"]
+    result["config"]["throughput"] = new["config"]["throughput"]
+    timings = {k: v for k, v in result.get("timings_s", {}).items() if not k.startswith("start:tput-")}
+    result["timings_s"] = {**timings, **{k: v for k, v in new["timings_s"].items() if k.startswith("start:tput-")}}
+    result["throughput_run"] = {"machine": new["config"]["machine"], "wall_s": new["wall_s"]}
+    return result
 
 
 def main(argv=None) -> int:
@@ -785,7 +838,8 @@ def main(argv=None) -> int:
             "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, load avg "
                        f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
             "throughput": {"prompts": args.tput_prompts, "len": args.tput_len,
-                           "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds},
+                           "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds,
+                           "instances": args.tput_instances},
             "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib, "l3_bandwidth": args.l3_bandwidth,
         },
         "bandwidth": bench.bandwidth,
@@ -796,14 +850,18 @@ def main(argv=None) -> int:
         "wall_s": time.perf_counter() - t_start,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ttft.json"), "w") as f:
+    saved = os.path.join(args.out, "ttft.json")
+    if only == {"throughput"} and os.path.exists(saved) and not bench.errors:
+        result = merge_throughput(saved, result)
+        log(f"merged this throughput run into {saved}; the TTFT rows are those saved there")
+    with open(saved, "w") as f:
         json.dump(result, f, indent=1)
     md = markdown(result)
     with open(os.path.join(args.out, "ttft.md"), "w") as f:
         f.write(md)
     print("\n" + md)
     log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
-    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and not only:
+    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and (not only or only == {"throughput"}):
         if write_readme(result):
             log("README.md: benchmark section updated")
     return 1 if bench.errors else 0
