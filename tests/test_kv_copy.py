@@ -45,3 +45,11 @@ def test_wrong_entry_shape_is_refused():
 def test_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="block dimension"):
         KVLayout.of({"l0": torch.zeros(3, 3, 3)}, 7)
+
+
+def test_gpu_copy_checks_pass_on_the_cpu_path():
+    """bench.gpu_copy's correctness checks (the ones run on a lent GPU) on the CPU copy
+    path; a failed check makes it exit 1."""
+    from bench.gpu_copy import main
+
+    assert main(["--layers", "2", "--blocks", "64", "--repeats", "1"]) == 0
