@@ -8,7 +8,9 @@ bf16, block size 16; Llama 3 8B's shape by default) and drives the copier exactl
 the worker does:
 
 - correctness: a gather issued right after the compute stream wrote the blocks returns
-  the new values (the copier's stream waits for the compute stream); blocks scattered
+  the new values (the copier's stream waits for the compute stream); a gather still in
+  flight when the compute stream overwrites its blocks after ``fence`` (the next
+  forward pass) returns the old values; blocks scattered
   from an entry read back bit for bit on the compute stream; a partial scatter
   (``first``) leaves the blocks around it untouched;
 - bandwidth: gather (device -> pinned host) and scatter (host -> device) of one chunk
@@ -65,7 +67,7 @@ def timed(fn, device, repeats: int) -> float:
     return best
 
 
-def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device) -> dict:
+def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fence: bool = True) -> dict:
     names = list(caches)
     rng = torch.Generator().manual_seed(1)
     ids = torch.randperm(blocks, generator=rng)[:16].tolist()
@@ -85,13 +87,31 @@ def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device) ->
     want = torch.stack([torch.full_like(host[0], n + 1) for n in range(len(names))])
     results["gather_sees_compute_stream_writes"] = bool(torch.equal(host, want))
 
-    # 2. scatter an entry (pageable, like an mmap'd file) and read it on the compute stream
+    # 2. a save's copy still in flight when the next forward pass overwrites its blocks:
+    #    fence() makes the compute stream wait, so the host copy holds the old values
+    if device.type == "cuda":  # keep the copier's stream busy (as a long queue of saves
+        # would), so the gather is still waiting when the fill is issued: without the
+        # fence the fill runs first and the host copy holds -1
+        with torch.cuda.stream(copier._stream):
+            big = torch.randn(8192, 8192, device=device)
+            for _ in range(4):
+                big = big @ big
+                big = big / big.norm()
+    host, wait = copier.gather_async(ids)
+    if fence:
+        copier.fence()
+    for c in caches.values():
+        c.index_fill_(1, idx, -1.0)
+    wait()
+    results["fence_keeps_inflight_save_intact"] = bool(torch.equal(host, want))
+
+    # 3. scatter an entry (pageable, like an mmap'd file) and read it on the compute stream
     src = torch.randn(host.shape, generator=rng).to(torch.bfloat16)
     copier.scatter(ids, src)
     back = torch.stack([c.index_select(1, idx) for c in caches.values()]).cpu()
     results["scatter_reads_back_exact"] = bool(torch.equal(back, src))
 
-    # 3. a partial scatter: entry blocks [4, 12) into 8 other blocks; the rest unchanged
+    # 4. a partial scatter: entry blocks [4, 12) into 8 other blocks; the rest unchanged
     others = [b for b in torch.randperm(blocks, generator=rng).tolist() if b not in ids][:16]
     oidx = torch.tensor(others, device=device)
     before = torch.stack([c.index_select(1, oidx) for c in caches.values()]).cpu()
@@ -109,6 +129,8 @@ def measure(copier: BlockCopier, blocks: int, chunk_blocks: int, device, repeats
     entry_bytes = copier.layout.bytes_per_block() * chunk_blocks
     out = {"entry_bytes": entry_bytes}
     out["gather_s"] = timed(lambda: copier.gather(ids), device, repeats)
+    # what a save costs the forward pass's thread: queueing the copy, not waiting for it
+    out["gather_enqueue_ms"] = 1e3 * min(_enqueue_s(copier, ids, device) for _ in range(repeats))
     pageable = copier.gather(ids).clone()  # plain host memory
     out["scatter_pageable_s"] = timed(lambda: copier.scatter(ids, pageable), device, repeats)
     if device.type == "cuda":
@@ -127,6 +149,15 @@ def measure(copier: BlockCopier, blocks: int, chunk_blocks: int, device, repeats
     return out
 
 
+def _enqueue_s(copier: BlockCopier, ids, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    _host, wait = copier.gather_async(ids)
+    seconds = time.perf_counter() - t0
+    wait()
+    return seconds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
@@ -136,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default="")
+    p.add_argument("--skip-fence", action="store_true",
+                   help="leave out the fence (to see that its check then fails on a GPU)")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda:0" if cuda else "cpu")
@@ -146,7 +179,7 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": {"layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                         "block": BLOCK, "dtype": "bfloat16", "blocks": a.blocks},
-              "correctness": check_correctness(copier, caches, a.blocks, device),
+              "correctness": check_correctness(copier, caches, a.blocks, device, fence=not a.skip_fence),
               "chunk": measure(copier, a.blocks, a.chunk_tokens // BLOCK, device, a.repeats)}
     c = result["chunk"]
     print(f"device {result['device']}, torch {result['torch']}; entry = {a.chunk_tokens} tokens x "
@@ -157,6 +190,7 @@ def main(argv=None) -> int:
     for k in ("gather", "scatter_pageable", "scatter_pinned", "link_d2h", "link_h2d"):
         if f"{k}_s" in c:
             print(f"| {k} | {c[k + '_s'] * 1e3:.2f} | {c[k + '_GBps']:.1f} |")
+    print(f"| gather, the caller's wait (gather_async returns) | {c['gather_enqueue_ms']:.2f} | |")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:

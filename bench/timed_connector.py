@@ -96,13 +96,13 @@ class TimedTieredKVConnector(TieredKVConnector):
             ws, log = self.worker_side, self._log
             orig_load = ws._load
 
-            def timed_load(load):
+            def timed_load(load, mark=None):
                 # Reads of an async load run on the I/O pool: their read/decode land in
                 # those threads' timers; this thread sees the wait and the scatter.
                 _timers.read = _timers.decode = _timers.scatter = 0.0
                 _timers.chunks = 0
                 t = time.perf_counter()
-                failed = orig_load(load)
+                failed = orig_load(load, mark)
                 _emit(log, event="load", req=load.req_id, asynchronous=load.asynchronous,
                       chunks=len(load.chunks), total_ms=(time.perf_counter() - t) * 1e3,
                       read_ms=_timers.read * 1e3, decode_ms=_timers.decode * 1e3,

@@ -9,16 +9,24 @@ is 0 (CPU backend ``[blocks, 2, ...]``, MLA ``[blocks, block_size, dim]``) or 1 
 attention ``[2, blocks, ...]``). An entry holds every layer for a run of blocks:
 ``[layers, *layer_shape with blocks=n]``, contiguous, in the model's KV dtype.
 
-On CUDA the host side is pinned memory, copies run on the copier's own stream, and a
-buffer or block is only handed back after the event that ends its copy has completed
-(a missing sync here garbled restored KV in vLLM's simple CPU offload, vllm#45704).
+On CUDA the host side is pinned memory and copies run on the copier's own stream,
+ordered after the compute stream's work on the same blocks. Nothing is reused before
+the copy that reads or writes it has completed (a missing sync here garbled restored KV
+in vLLM's simple CPU offload, vllm#45704):
+- ``scatter`` returns once its blocks hold the data (the caller then schedules them);
+- ``gather_async`` returns at once with the host tensor and a ``wait`` the reader calls
+  before touching it (the writer thread, not the forward pass, waits); the blocks
+  themselves are protected by ``fence``, which makes the compute stream wait for the
+  copies issued so far before the next forward pass may overwrite a block;
+- ``compute_mark`` lets a load started on another thread wait for the compute stream's
+  work queued before it (e.g. vLLM zeroing freshly allocated blocks).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -64,6 +72,10 @@ class KVLayout:
         return per_layer * len(self.layer_names)
 
 
+def _done() -> None:
+    """``wait`` of a copy that is already complete."""
+
+
 class BlockCopier:
     """Moves whole blocks between the KV cache and host tensors."""
 
@@ -74,12 +86,27 @@ class BlockCopier:
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._lock = threading.Lock()  # one copy at a time on the stream
+        self._last: Optional["torch.cuda.Event"] = None  # end of the last gather issued
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if not self.cuda:
+            return ids
+        # From pinned memory, asynchronously: a copy from pageable memory would make this
+        # thread wait for everything already queued on the current stream.
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new host tensor holding ``block_ids`` of every layer. Returns once copied."""
+        host, wait = self.gather_async(block_ids)
+        wait()
+        return host
+
+    def gather_async(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start copying ``block_ids`` of every layer into a new host tensor; returns it
+        and ``wait()``, which returns once the tensor holds them. On the CPU the copy is
+        done when this returns. On CUDA, call ``fence`` before the compute stream may
+        write these blocks again (the next forward pass)."""
         shape = self.layout.entry_shape(len(block_ids))
         bd = self.layout.block_dim
         if not self.cuda:
@@ -87,7 +114,7 @@ class BlockCopier:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
                 torch.index_select(cache, bd, idx, out=out[i])
-            return out
+            return out, _done
         host = torch.empty(shape, dtype=self.layout.dtype, pin_memory=True)
         with self._lock, torch.cuda.stream(self._stream):
             # The forward pass that wrote these blocks ran on the compute stream.
@@ -99,13 +126,32 @@ class BlockCopier:
             host.copy_(staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()  # host buffer complete before anyone reads it
-        return host
+            self._last = done
+        return host, done.synchronize
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, first: int = 0) -> None:
+    def fence(self) -> None:
+        """Make the calling thread's (compute) stream wait for every copy issued so far:
+        call it before a forward pass that may write blocks a gather is still reading.
+        A GPU-side wait: the calling thread does not block."""
+        if self.cuda and self._last is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last)
+
+    def compute_mark(self) -> Optional["torch.cuda.Event"]:
+        """An event after the work queued so far on the calling thread's stream, for a
+        ``scatter`` issued later from another thread (None on the CPU)."""
+        if not self.cuda:
+            return None
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, first: int = 0,
+                after: Optional["torch.cuda.Event"] = None) -> None:
         """Write ``src`` (an entry, ``[layers, ..blocks..]``) into ``block_ids``, skipping
         the entry's first ``first`` blocks (and leaving out its blocks past those).
-        Returns once the blocks hold the data."""
+        Returns once the blocks hold the data. On CUDA the writes come after the work
+        queued on the calling thread's stream, or after ``after`` (a ``compute_mark``
+        taken on the compute thread) when given."""
         bd = self.layout.block_dim
         n = len(block_ids)
         if n == 0:
@@ -120,6 +166,10 @@ class BlockCopier:
                 cache.index_copy_(bd, idx, part[i])
             return
         with self._lock, torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             pinned = part if part.is_pinned() else part.contiguous().pin_memory()
             staging = pinned.to(self.device, non_blocking=True)
             idx = self._index(block_ids)

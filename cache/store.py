@@ -245,13 +245,16 @@ class TieredStore:
 
     # -- writes (write-behind) -------------------------------------------------
     def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
-            shared: bool = False, on_done: Optional[Callable[[str], None]] = None) -> bool:
+            shared: bool = False, on_done: Optional[Callable[[str], None]] = None,
+            ready: Optional[Callable[[], None]] = None) -> bool:
         """Queue ``payload`` for the top tier; returns at once. The caller must not
         change ``payload`` afterwards. ``shared`` publishes it to the shared tier too,
         whatever the admission rule (a prefix marked shared, e.g. by the warm tool).
         False when the queue is full (the entry is dropped: a future miss, never a
         stall). ``on_done(key)`` runs once the write is settled (stored, refused by
-        the policy, failed or dropped), on the writer thread or, when dropped, here."""
+        the policy, failed or dropped), on the writer thread or, when dropped, here.
+        ``ready()``, if given, returns once ``payload`` holds its bytes (a device copy
+        still in flight); the writer thread calls it before reading them."""
         assert self._io is not None, "lookup-only store"
         nbytes = memoryview(payload).nbytes
         with self._lock:
@@ -270,7 +273,8 @@ class TieredStore:
             if on_done is not None:
                 on_done(key)
 
-        self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared).add_done_callback(settled)
+        self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared,
+                     ready).add_done_callback(settled)
         return True
 
     def _unpend(self, nbytes: int) -> None:
@@ -295,7 +299,9 @@ class TieredStore:
         except Exception:  # background work must never take the engine down
             log.exception("kvcache: background %s failed", getattr(fn, "__name__", fn))
 
-    def _write_new(self, key, parent, dtype, shape, payload, shared=False) -> None:
+    def _write_new(self, key, parent, dtype, shape, payload, shared=False, ready=None) -> None:
+        if ready is not None:
+            ready()
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
         local = self.tiers[: self.n_local]
         if local and not any(t.contains(key) for t in local):

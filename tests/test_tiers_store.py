@@ -139,6 +139,25 @@ def test_every_put_reports_when_it_settles(tmp_path):
     tight.close()
 
 
+def test_a_put_is_read_only_once_its_copy_is_ready(tmp_path):
+    """A GPU save hands over a host buffer whose device copy is still in flight, with
+    ``ready``: the writer waits for it before reading (encoding, checksum, write)."""
+    keys = chunk_keys(NS, list(range(16)), 16)
+    buf = np.zeros(1000, np.uint8)  # the copy has not landed yet
+    landed = []
+
+    def ready():
+        buf[:] = 7  # the device copy completes
+        landed.append(True)
+
+    s = store(tmp_path)
+    assert s.put(keys[0], None, "uint8", buf.shape, buf, ready=ready)
+    assert s.flush(10) and landed == [True]
+    e = s.get(keys[0])
+    assert np.array_equal(np.frombuffer(e.payload, np.uint8), np.full(1000, 7, np.uint8))
+    s.close()
+
+
 def test_restart_rebuilds_from_disk(tmp_path):
     s = store(tmp_path, dram=0)
     keys = chunk_keys(NS, list(range(3 * 16)), 16)

@@ -6,9 +6,11 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   asynchronous (disk, remote) go to the store's read threads and are reported through
   ``get_finished`` when their blocks are filled.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
-  tensors (the only synchronous part of a save) and handed to the store's writer
-  thread; encoding, checksums and file writes never delay the next step. Settled saves
-  go back to the scheduler with the next step's output (``take_settled``).
+  tensors and handed to the store's writer thread; encoding, checksums and file writes
+  never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
+  queued (the writer waits for it, and ``step_begins`` orders the next forward pass
+  after it). Settled saves go back to the scheduler with the next step's output
+  (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
   read past ``KVCACHE_REMOTE_TIMEOUT_MS``: the tier's own deadline) fails its blocks
   and every later block of the request; vLLM recomputes them.
@@ -74,12 +76,21 @@ class WorkerSide:
                            for t in self.store.tiers) or "none")
 
     # -- loads -----------------------------------------------------------------
+    def step_begins(self) -> None:
+        """A step's metadata is bound, before its forward pass is launched: the compute
+        stream waits for the copies of earlier saves (blocks they read may be reused)."""
+        if self.copier is not None:
+            self.copier.fence()
+
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
             self.store.hint_upcoming(meta.upcoming)
+        mark = None
         for load in meta.loads:
             if load.asynchronous:
-                t = threading.Thread(target=self._load_async, args=(load,), daemon=True,
+                if mark is None and self.copier is not None:
+                    mark = self.copier.compute_mark()  # after the compute stream's work so far
+                t = threading.Thread(target=self._load_async, args=(load, mark), daemon=True,
                                      name=f"kvcache-load-{load.req_id}")
                 self._inflight[load.req_id] = t
                 t.start()
@@ -89,11 +100,11 @@ class WorkerSide:
                     with self._lock:
                         self._failed_blocks |= failed
 
-    def _load_async(self, load: LoadRequest) -> None:
+    def _load_async(self, load: LoadRequest, mark) -> None:
         self._thread_setup("load")
         failed = set()
         try:
-            failed = self._load(load)
+            failed = self._load(load, mark)
         except Exception:
             log.exception("kvcache: loading request %s failed", load.req_id)
             failed = {b for c in load.chunks for b in c.block_ids}
@@ -101,8 +112,10 @@ class WorkerSide:
             self._failed_blocks |= failed
             self._finished_loads.add(load.req_id)
 
-    def _load(self, load: LoadRequest) -> set[int]:
-        """Fill the request's blocks chunk by chunk; returns the blocks that failed."""
+    def _load(self, load: LoadRequest, mark=None) -> set[int]:
+        """Fill the request's blocks chunk by chunk; returns the blocks that failed.
+        ``mark``: the compute stream's point the copies must follow (a load on its own
+        thread; see ``BlockCopier.compute_mark``)."""
         assert self.copier is not None
         # Reads and checksums run on the store's read threads, ahead of the copies here.
         futures = [self.store.get_async(c.key) for c in load.chunks]
@@ -115,7 +128,7 @@ class WorkerSide:
                         warnings.filterwarnings("ignore", message="The given buffer is not writable")
                         src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
                     src = src.view(entry.info.shape)
-                    self.copier.scatter(chunk.block_ids, src, chunk.first)
+                    self.copier.scatter(chunk.block_ids, src, chunk.first, after=mark)
                     tier = self.store.stats.tiers[self.store.tiers[entry.tier].name]
                     tier.tokens_loaded += len(chunk.block_ids) * self.block_size
                 except (ValueError, RuntimeError) as e:
@@ -152,9 +165,12 @@ class WorkerSide:
             return
         layout = self.copier.layout
         for chunk in meta.saves:
-            host = self.copier.gather(chunk.block_ids)
+            # On CUDA the copy is still running when put() queues it: the writer thread
+            # waits for it (ready), the next step's forward pass too (step_begins).
+            host, ready = self.copier.gather_async(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, layout.dtype_name, tuple(host.shape),
-                           host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled)
+                           host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled,
+                           ready=ready)
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
