@@ -60,10 +60,11 @@ if REPO not in sys.path:
 from bench import pagecache, peers, readme  # noqa: E402
 from bench.ttft_engine import EngineProcess  # noqa: E402
 
-# 12 layers x 768 (bf16) took 153 s for one cold 4K prefill on this 2-core AVX2 machine
-# (no AVX-512/bf16), so the benchmark model is scaled down to keep one cold 8K prefill
-# near 25 s, in float32 (several times faster than bf16 here). Multi-head attention
-# (kv_heads == heads) keeps the KV large for the compute: 18 KiB per token.
+# A 12-layer x 768 bf16 model took minutes for one cold 4K prefill on this 2-core AVX2
+# machine (no AVX-512/bf16), so the benchmark model is scaled down until a cold 8K
+# prefill takes seconds (the results' cold row), in float32 (faster than bf16 here).
+# Multi-head attention (kv_heads == heads) keeps the KV large for the compute: 18 KiB
+# per token.
 MODEL_SHAPE = dict(layers=6, hidden=384, heads=6, kv_heads=6, intermediate=1024, max_positions=16384)
 DTYPE = "float32"
 BLOCK = 128        # vLLM's block size on the CPU
@@ -391,10 +392,10 @@ class Bench:
 
         ``--tput-instances`` engines of each kind are alive at once and take turns, every
         round in the opposite order of the last. Two engines of one configuration differ
-        by several per cent on this machine (where their memory landed, what the host
-        did meanwhile), so one engine per kind would compare two instances more than
-        two configurations: the spread between same-kind instances is reported beside
-        the ratio (``summarize_throughput``)."""
+        by several per cent on this machine for as long as they live, so one engine per
+        kind would compare two instances more than two configurations: the spread
+        between same-kind instances is reported beside the ratio
+        (``summarize_throughput``)."""
         a = self.args
         names = [f"{kind}-{i}" for i in range(a.tput_instances) for kind in ("without", "with")]
         engines = {}

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--blocks", type=int, default=4096, help="KV blocks per layer")
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-tokens", default="256,1024", help="entry sizes to time, comma list")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default="")
     p.add_argument("--skip-fence", action="store_true",
@@ -180,17 +180,19 @@ def main(argv=None) -> int:
               "shape": {"layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                         "block": BLOCK, "dtype": "bfloat16", "blocks": a.blocks},
               "correctness": check_correctness(copier, caches, a.blocks, device, fence=not a.skip_fence),
-              "chunk": measure(copier, a.blocks, a.chunk_tokens // BLOCK, device, a.repeats)}
-    c = result["chunk"]
-    print(f"device {result['device']}, torch {result['torch']}; entry = {a.chunk_tokens} tokens x "
-          f"{a.layers} layers = {c['entry_bytes'] / 2**20:.1f} MiB")
+              "chunks": {n: measure(copier, a.blocks, n // BLOCK, device, a.repeats)
+                         for n in map(int, a.chunk_tokens.split(","))}}
+    print(f"device {result['device']}, torch {result['torch']}; {a.layers} layers")
     for k, v in result["correctness"].items():
         print(f"  {k}: {'ok' if v else 'FAILED'}")
-    print("| copy | ms | GB/s |\n| --- | ---: | ---: |")
-    for k in ("gather", "scatter_pageable", "scatter_pinned", "link_d2h", "link_h2d"):
-        if f"{k}_s" in c:
-            print(f"| {k} | {c[k + '_s'] * 1e3:.2f} | {c[k + '_GBps']:.1f} |")
-    print(f"| gather, the caller's wait (gather_async returns) | {c['gather_enqueue_ms']:.2f} | |")
+    print("| entry | gather (device -> pinned host) | the saving thread's wait | scatter from pinned "
+          "| scatter from pageable | link d2h / h2d |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for n, c in result["chunks"].items():
+        def rate(k: str) -> str:
+            return f"{c[k + '_GBps']:.1f} GB/s ({c[k + '_s'] * 1e3:.2f} ms)" if k + "_s" in c else "–"
+        link = f"{c['link_d2h_GBps']:.1f} / {c['link_h2d_GBps']:.1f} GB/s" if "link_d2h_s" in c else "–"
+        print(f"| {n:,} tokens, {c['entry_bytes'] / 2**20:.0f} MiB | {rate('gather')} | "
+              f"{c['gather_enqueue_ms']:.2f} ms | {rate('scatter_pinned')} | {rate('scatter_pageable')} | {link} |")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:

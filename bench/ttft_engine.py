@@ -10,8 +10,8 @@ Commands::
     {"op": "ttft", "prompt": [ids], "reset": bool, "kv_transfer_params": {...}?}
         one request, max_tokens=1 (our connector reads ``kvcache_load: false``):
         {"seconds", "num_cached_tokens", "kv_transfer_params", "token_ids"}
-    {"op": "batch", "prompts": [[ids]...], "max_tokens": N, "kv_transfer_params": {...}?}
-        all submitted at once: {"seconds", "prompt_tokens", "output_tokens"}
+    {"op": "batch", "prompts": [[ids]...], "max_tokens": N}   all submitted at once:
+        {"seconds", "prompt_tokens", "output_tokens"}
     {"op": "reset"}                                     reset vLLM's prefix cache
     {"op": "quit"}
 
@@ -81,9 +81,7 @@ def main() -> None:
                       "kv_transfer_params": out.kv_transfer_params,
                       "token_ids": list(out.outputs[0].token_ids)}
         elif op == "batch":
-            extra = {"kv_transfer_params": cmd["kv_transfer_params"]} if cmd.get("kv_transfer_params") else None
-            params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0, ignore_eos=True,
-                                    extra_args=extra)
+            params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0, ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)

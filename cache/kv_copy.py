@@ -86,7 +86,7 @@ class BlockCopier:
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._lock = threading.Lock()  # one copy at a time on the stream
-        self._last: Optional["torch.cuda.Event"] = None  # end of the last gather issued
+        self._last: Optional["torch.cuda.Event"] = None  # end of the last gather not yet fenced
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
@@ -130,11 +130,13 @@ class BlockCopier:
         return host, done.synchronize
 
     def fence(self) -> None:
-        """Make the calling thread's (compute) stream wait for every copy issued so far:
-        call it before a forward pass that may write blocks a gather is still reading.
-        A GPU-side wait: the calling thread does not block."""
-        if self.cuda and self._last is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last)
+        """Make the calling thread's (compute) stream wait for the gathers issued since
+        the last fence: call it before a forward pass that may write blocks a gather is
+        still reading. A GPU-side wait: the calling thread does not block. Called from
+        the thread that issues the gathers."""
+        last, self._last = self._last, None
+        if last is not None:
+            torch.cuda.current_stream(self.device).wait_event(last)
 
     def compute_mark(self) -> Optional["torch.cuda.Event"]:
         """An event after the work queued so far on the calling thread's stream, for a

@@ -591,4 +591,3 @@ def test_capped_shared_tier_paces_reads_and_writes(tmp_path):
     assert node(other).get(keys_of(2)[0]) is not None
     assert reads == [ENTRY]
     assert CacheConfig(remote_url="file:///x").remote_bandwidth == 0  # no cap by default
-    assert CacheConfig(remote_url="file:///x").remote_bandwidth == 0  # no cap by default
