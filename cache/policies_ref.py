@@ -1,12 +1,17 @@
-"""Reference policies to compare against: ARC, S3-FIFO (online) and Belady (offline).
+"""Reference policies to compare against: ARC, S3-FIFO (online), Belady and the rate
+oracles (offline).
 
 ARC and S3-FIFO run wherever a tier runs (same rules as ``cache.policy``: called under the
 store's lock, O(1) amortized per call, no I/O, never block). Neither is told the tier's
 capacity, so each sizes its ghost lists and queues from the number of entries resident.
 Entries are counted, not bytes (``size`` is ignored), as in their papers' object mode.
 
-Belady is offline only: it is built with the whole future access sequence and is used by
-``cache.replay`` / the bench as the upper bound; it is not in the ``POLICIES`` registry.
+Belady and the rate oracles are offline only: they are built with the whole access sequence
+and are used by ``cache.replay`` / the bench as bounds; they are not in the ``POLICIES``
+registry. Belady knows *when* every chunk is used next. A rate oracle knows only *how
+often* a chunk is used (its whole-trace use count, and where its uses start and end), which
+is the most an online policy could ever learn from access history; the distance between
+the two is what timing alone is worth on a trace.
 """
 
 from __future__ import annotations
@@ -234,6 +239,105 @@ class BeladyPolicy(EvictionPolicy):
             if present.get(key) == (-neg_req, -neg_pos):
                 return key
             heapq.heappop(heap)
+        return None
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._present
+
+    def __len__(self) -> int:
+        return len(self._present)
+
+
+class RateOraclePolicy(EvictionPolicy):
+    """Offline: keep the chunks reused most often per request, knowing every chunk's
+    whole-trace use count but not when the uses come.
+
+    Built with the sequence of key sequences the replay will play (``begin_request(keys)``
+    before each, as for Belady). A chunk's *rate* is its reuses (uses - 1) divided by the
+    requests from its first use to the end of the trace, or with ``span=True`` to its last
+    use; with ``span`` it also knows when a chunk is dead (its last use is behind) and
+    evicts dead chunks first. A chunk's rate is capped by its parent's (the parent of its
+    first use), so ancestors never rank below their descendants; ties evict the chunk that
+    sits later in its request. With ``capacity`` it refuses a chunk that ranks no higher
+    than the current victim, as Belady does. Static ranks in heaps with lazy deletion:
+    O(log n) per call.
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[Sequence[Key]],
+        capacity: Optional[int] = None,
+        span: bool = False,
+    ) -> None:
+        self.name = "span-oracle" if span else "rate-oracle"
+        n = len(requests)
+        first: Dict[Key, int] = {}
+        last: Dict[Key, int] = {}
+        uses: Dict[Key, int] = {}
+        depth: Dict[Key, int] = {}
+        parent: Dict[Key, Optional[Key]] = {}
+        for i, keys in enumerate(requests):
+            prev: Optional[Key] = None
+            for p, key in enumerate(keys):
+                if key not in first:
+                    first[key] = i
+                    depth[key] = p
+                    parent[key] = prev
+                last[key] = i
+                uses[key] = uses.get(key, 0) + 1
+                prev = key
+        self._rank: Dict[Key, Tuple[float, int]] = {}
+        for key in first:               # dicts keep first-use order: parents come first
+            until = last[key] if span else n
+            rate = (uses[key] - 1) / max(1, until - first[key])
+            p = parent[key]
+            if p is not None and self._rank[p][0] < rate:
+                rate = self._rank[p][0]
+            self._rank[key] = (rate, -depth[key])
+        self._last = last if span else None
+        self._now = -1
+        self._capacity = capacity
+        self._present: Dict[Key, None] = {}
+        self._by_rank: List[Tuple[float, int, Key]] = []
+        self._by_last: List[Tuple[int, int, Key]] = []
+
+    def begin_request(self, keys: Iterable[Key]) -> None:
+        self._now += 1
+
+    def _dead(self, key: Key) -> bool:
+        return self._last is not None and self._last.get(key, -1) <= self._now
+
+    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+        if self._capacity is None or len(self._present) < self._capacity:
+            return True
+        if self._dead(key):
+            return False
+        v = self.victim()
+        if v is None or self._dead(v):
+            return True
+        return self._rank.get(key, (0.0, 0)) > self._rank[v]
+
+    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+        self._present[key] = None
+        rate, neg_depth = self._rank.get(key, (0.0, 0))
+        heapq.heappush(self._by_rank, (rate, neg_depth, key))
+        if self._last is not None:
+            heapq.heappush(self._by_last, (self._last.get(key, -1), neg_depth, key))
+
+    def touch(self, key: Key) -> None:
+        pass  # ranks are static
+
+    def remove(self, key: Key) -> None:
+        self._present.pop(key, None)
+
+    def victim(self) -> Optional[Key]:
+        present = self._present
+        for heap in ((self._by_last, self._by_rank) if self._last is not None
+                     else (self._by_rank,)):
+            while heap and heap[0][2] not in present:
+                heapq.heappop(heap)
+            if heap and (heap is self._by_rank or heap[0][0] <= self._now):
+                return heap[0][2]
         return None
 
     def __contains__(self, key: Key) -> bool:

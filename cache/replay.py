@@ -34,9 +34,12 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
 from .policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
-from .policies_ref import BeladyPolicy
+from .policies_ref import BeladyPolicy, RateOraclePolicy
 
 BLOCK_TOKENS = 512
+# Offline references, built with the whole trace: Belady knows when each block is used
+# next; the rate oracles know only how often (see ``cache.policies_ref``).
+OFFLINE = ("belady", "rate-oracle", "span-oracle")
 
 
 @dataclass(frozen=True)
@@ -75,19 +78,22 @@ def capacity_for_fraction(requests: Sequence[Request], fraction: float) -> int:
 
 
 def policy_names() -> List[str]:
-    """Every name ``--policy`` accepts: the online registry, the offline optimum, and
+    """Every name ``--policy`` accepts: the online registry, the offline references, and
     ``ours`` (an alias of the recommended default)."""
-    return sorted(POLICIES) + ["belady", "ours"]
+    return sorted(POLICIES) + list(OFFLINE) + ["ours"]
 
 
 def build_policy(
     name: str, requests: Sequence[Request], capacity_blocks: Optional[int] = None
 ) -> EvictionPolicy:
-    """Online policies come from the registry; ``belady`` is built with the future (and
-    the capacity, so it can bypass blocks whose next use is farther than every
-    resident one's, as MIN does)."""
+    """Online policies come from the registry; the offline ones are built with the whole
+    trace (and the capacity, so they can bypass blocks that rank below every resident
+    one, as MIN does)."""
     if name == "belady":
         return BeladyPolicy([r.hash_ids for r in requests], capacity=capacity_blocks)
+    if name in ("rate-oracle", "span-oracle"):
+        return RateOraclePolicy([r.hash_ids for r in requests], capacity=capacity_blocks,
+                                span=name == "span-oracle")
     return make_policy(DEFAULT_POLICY if name == "ours" else name)
 
 
@@ -230,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--policy",
         default=DEFAULT_POLICY,
         choices=policy_names(),
-        help=f"eviction policy (default: {DEFAULT_POLICY}); belady = offline optimum",
+        help=f"eviction policy (default: {DEFAULT_POLICY}); belady = offline optimum; "
+        "rate-oracle / span-oracle = offline, know how often each block is used",
     )
     ap.add_argument(
         "--hint-window-ms",

@@ -16,7 +16,7 @@ from typing import List
 import pytest
 
 from cache.policy import DEFAULT_POLICY
-from cache.replay import Request, load_trace, run
+from cache.replay import OFFLINE, Request, load_trace, run
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -91,7 +91,7 @@ def test_lru_hit_accounting_by_hand(tmp_path):
 
 def test_cli_json(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
-    for policy in ("lru", "belady", "ours", DEFAULT_POLICY):
+    for policy in ("lru", "belady", "rate-oracle", "span-oracle", "ours", DEFAULT_POLICY):
         out = subprocess.run(
             [sys.executable, "-m", "cache.replay", str(trace), "--capacity-blocks", "10",
              "--policy", policy, "--json"],
@@ -144,7 +144,7 @@ def test_ours_beats_lru_on_a_structured_trace(seed):
 def test_unbounded_capacity_is_policy_independent():
     trace = random_tree_trace(11)
     want = run(trace, "lru", 10**9).token_hit_ratio
-    for policy in ONLINE + ("belady",):
+    for policy in ONLINE + OFFLINE:
         assert run(trace, policy, 10**9).token_hit_ratio == pytest.approx(want)
 
 
