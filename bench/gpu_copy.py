@@ -67,6 +67,14 @@ def timed(fn, device, repeats: int) -> float:
     return best
 
 
+def _busy(device) -> None:
+    """Queue some milliseconds of kernels on the current stream (the caller's)."""
+    big = torch.randn(8192, 8192, device=device)
+    for _ in range(4):
+        big = big @ big
+        big = big / big.norm()
+
+
 def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fence: bool = True) -> dict:
     names = list(caches)
     rng = torch.Generator().manual_seed(1)
@@ -77,10 +85,7 @@ def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fe
     # 1. gather right after the compute stream wrote the blocks (a long kernel first,
     #    so the writes are still queued when the gather is issued)
     if device.type == "cuda":
-        big = torch.randn(8192, 8192, device=device)
-        for _ in range(4):
-            big = big @ big
-            big = big / big.norm()
+        _busy(device)
     for n, c in enumerate(caches.values()):
         c.index_fill_(1, idx, float(n + 1))
     host = copier.gather(ids)
@@ -93,10 +98,7 @@ def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fe
         # would), so the gather is still waiting when the fill is issued: without the
         # fence the fill runs first and the host copy holds -1
         with torch.cuda.stream(copier._stream):
-            big = torch.randn(8192, 8192, device=device)
-            for _ in range(4):
-                big = big @ big
-                big = big / big.norm()
+            _busy(device)
     host, wait = copier.gather_async(ids)
     if fence:
         copier.fence()

@@ -9,9 +9,9 @@ Entries are counted, not bytes (``size`` is ignored), as in their papers' object
 Belady and the rate oracles are offline only: they are built with the whole access sequence
 and are used by ``cache.replay`` / the bench as bounds; they are not in the ``POLICIES``
 registry. Belady knows *when* every chunk is used next. A rate oracle knows only *how
-often* a chunk is used (its whole-trace use count, and where its uses start and end), which
-is the most an online policy could ever learn from access history; the distance between
-the two is what timing alone is worth on a trace.
+often* a chunk is used (its whole-trace use count, and where its uses start and end): what
+a policy estimating popularity from access history could win at most. The distance
+between the two is what knowing the timing is worth on a trace.
 """
 
 from __future__ import annotations
@@ -330,15 +330,19 @@ class RateOraclePolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         self._present.pop(key, None)
 
+    def _top(self, heap: list) -> Optional[tuple]:
+        """The heap's first entry for a present key (stale ones popped), or None."""
+        while heap and heap[0][2] not in self._present:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
     def victim(self) -> Optional[Key]:
-        present = self._present
-        for heap in ((self._by_last, self._by_rank) if self._last is not None
-                     else (self._by_rank,)):
-            while heap and heap[0][2] not in present:
-                heapq.heappop(heap)
-            if heap and (heap is self._by_rank or heap[0][0] <= self._now):
-                return heap[0][2]
-        return None
+        if self._last is not None:             # a dead chunk first
+            top = self._top(self._by_last)
+            if top is not None and top[0] <= self._now:
+                return top[2]
+        top = self._top(self._by_rank)
+        return None if top is None else top[2]
 
     def __contains__(self, key: Key) -> bool:
         return key in self._present

@@ -157,3 +157,29 @@ def test_real_trace_reference_numbers():
     ours = run(reqs, DEFAULT_POLICY, 878).token_hit_ratio
     assert ours >= max(lru, run(reqs, "arc", 878).token_hit_ratio,
                        run(reqs, "s3fifo", 878).token_hit_ratio)
+
+
+def _reuse_trace(gaps: List[int]) -> List[Request]:
+    """Block 0 used after each gap (in requests); every other request uses a new block."""
+    at = [0]
+    for g in gaps:
+        at.append(at[-1] + g)
+    uses = set(at)
+    return [Request(float(i), 512, (0,) if i in uses else (i + 1,)) for i in range(at[-1] + 1)]
+
+
+def test_reuse_regularity_tells_memoryless_from_regular_and_bursty_reuse():
+    """The bench's timing statistic (printed under the policy table): Poisson reuse
+    reads a coefficient of variation near 1 and no correlation between gaps; evenly
+    spaced reuse reads 0; runs of short gaps and of long gaps read above 1, correlated."""
+    from bench.bench_policy import reuse_regularity
+
+    rng = random.Random(0)
+    poisson = reuse_regularity(_reuse_trace([1 + int(rng.expovariate(1 / 40)) for _ in range(3000)]))
+    assert poisson["blocks"] == 1
+    assert poisson["median_gap_cv"] == pytest.approx(1.0, abs=0.1)
+    assert abs(poisson["lag1_log_gap_corr"]) < 0.1
+    assert reuse_regularity(_reuse_trace([10] * 50))["median_gap_cv"] == 0.0
+    bursty = reuse_regularity(_reuse_trace(([1] * 20 + [200] * 5) * 20))
+    assert bursty["median_gap_cv"] > 1.5 and bursty["lag1_log_gap_corr"] > 0.5
+    assert reuse_regularity(_reuse_trace([5] * 3))["blocks"] == 0   # fewer uses than min_uses
