@@ -43,3 +43,32 @@ def finish_engine(proc: subprocess.Popen, timeout: float = 600) -> list[dict]:
 
 def run_engine(spec: dict, timeout: float = 600) -> list[dict]:
     return finish_engine(start_engine(spec), timeout)
+
+
+# -- comparing logprobs across computations ------------------------------------------------
+# CPU kernels (AMX, AVX-512, oneDNN) differ in accumulation order with batch shape, so two
+# computations of the same tokens agree to a few 1e-3, not bit for bit. A wrongly placed or
+# stale KV block moves them by 1e-2 and more. Equality is asserted only where the same KV
+# bytes feed the same computation (a tier hit against a prefix-cache hit).
+LOGPROB_TOL = 1e-2
+
+
+def close_logprobs(a: dict, b: dict, tol: float = LOGPROB_TOL) -> bool:
+    """``a`` and ``b`` (each ``{"token_ids": [...], "logprobs": [{token: logprob}]}``) are
+    the same generation up to float tolerance: at each position the tokens both list
+    agree within ``tol``, at most one top-k entry differs at the cut-off, and the same
+    token is chosen. Comparison stops after a position where ``a``'s two best tokens are
+    within ``2 * tol`` (a tie the other computation may break the other way; what
+    follows it is a different continuation, not an error)."""
+    for tok_a, tok_b, x, y in zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"], strict=True):
+        common = x.keys() & y.keys()
+        if len(common) < min(len(x), len(y)) - 1:
+            return False
+        if any(abs(x[k] - y[k]) > tol for k in common):
+            return False
+        best = sorted(x.values(), reverse=True)
+        if len(best) > 1 and best[0] - best[1] < 2 * tol:
+            return True
+        if tok_a != tok_b:
+            return False
+    return True
