@@ -5,7 +5,7 @@ its own process). Reads a JSON spec from argv[1], writes one JSON line per gener
 step to stdout prefixed with ``RESULT ``.
 
 Spec: {"model": PATH, "cache": {kvcache_* settings}, "prefix_caching": bool,
-       "steps": [{"prompt_token_ids": [...]} | {"reset_prefix_cache": true} |
+       "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"reset_prefix_cache": true} |
                  {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
                  {"wait_for": PATH}]}
 """
@@ -68,7 +68,10 @@ def main() -> None:
                 time.sleep(0.2)
         else:
             t0 = time.perf_counter()
-            out = llm.generate({"prompt_token_ids": step["prompt_token_ids"]}, params, use_tqdm=False)[0]
+            prompt = {"prompt_token_ids": step["prompt_token_ids"]}
+            if step.get("cache_salt"):
+                prompt["cache_salt"] = step["cache_salt"]
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
             comp = out.outputs[0]
             print("RESULT " + json.dumps({
                 "seconds": time.perf_counter() - t0,

@@ -33,6 +33,7 @@ P1 = tokens(1, 1500)                  # 5 whole chunks + a 220-token tail
 P2 = P1[:600] + tokens(2, 400)        # shares two whole chunks with P1
 SHORT = tokens(3, 50)                 # shorter than one block
 P4 = tokens(4, 900)
+PS = tokens(6, 700)                   # sent with cache_salt "tenantA" by one engine
 PA = tokens(5, 1409)                  # n - 1 on a block boundary: tier and L0 hits compute alike
 HIT_P1 = 1500 - 1                     # a tier hit loads all but the last token
 L0_P1 = (1500 - 1) // BLOCK * BLOCK   # 1408: vLLM's own prefix cache holds whole blocks
@@ -139,14 +140,14 @@ def two_engines(model_path, tmp):
         "model": model_path,
         "prefix_caching": False,
         "cache": cache_spec(tmp, name, cpu_size="0", disk=shared),
-        "steps": [{"prompt_token_ids": own}, {"sleep": 1.0}, {"touch": str(mine)},
+        "steps": [{"prompt_token_ids": own}, *salted, {"sleep": 1.0}, {"touch": str(mine)},
                   {"wait_for": str(theirs)}, {"prompt_token_ids": other}],
-    }) for own, mine, theirs, other, name in specs]
+    }) for (own, mine, theirs, other, name), salted in zip(specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}], []))]
     return [finish_engine(p) for p in procs]
 
 
 def test_two_engines_share_one_disk_folder(two_engines, one_engine, tmp):
-    (p1_cold, p4_hit), (p4_cold, p1_hit) = two_engines
+    (p1_cold, _salted, p4_hit), (p4_cold, p1_hit) = two_engines
     assert p1_cold["loaded"] == {} and p4_cold["loaded"] == {}
     assert p1_hit["loaded"] == {"disk": HIT_P1}
     assert p4_hit["loaded"] == {"disk": 900 - 1}
@@ -167,6 +168,10 @@ def fresh_engine(model_path, tmp, two_engines):
             {"sleep": 1.0},
             {"reset_prefix_cache": True},
             {"prompt_token_ids": P1},
+            # PS was stored with cache_salt "tenantA" by the first of the two engines
+            {"prompt_token_ids": PS, "cache_salt": "tenantB"},
+            {"prompt_token_ids": PS},
+            {"prompt_token_ids": PS, "cache_salt": "tenantA"},
             {"corrupt": [str(shm), str(tmp / "disk-shared")]},
             {"reset_prefix_cache": True},
             {"prompt_token_ids": P1},
@@ -183,8 +188,16 @@ def test_fresh_engine_hits_disk_then_dram(fresh_engine, one_engine):
     assert same_logprobs(disk_hit, one_engine[2]) and same_logprobs(dram_hit, one_engine[2])
 
 
+def test_a_salted_prefix_is_loaded_only_for_its_own_salt(fresh_engine):
+    """After a restart: another tenant's salt, or no salt, loads nothing of what a salted
+    request stored (each computes its own, under its own keys); the same salt loads it."""
+    other_salt, no_salt, same_salt = fresh_engine[2:5]
+    assert other_salt["loaded"] == {} and no_salt["loaded"] == {}
+    assert same_salt["loaded"] == {"disk": len(PS) - 1}
+
+
 def test_damaged_entries_are_recomputed_not_served(fresh_engine, one_engine, tmp):
-    corrupted, after = fresh_engine[2], fresh_engine[3]
+    corrupted, after = fresh_engine[5], fresh_engine[6]
     assert corrupted["corrupted"] > 0
     # every load failed its checksum: the answer is the cold recompute's
     assert close_logprobs(after, one_engine[0])

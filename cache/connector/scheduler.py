@@ -29,6 +29,7 @@ partly filled: only its first positions are loaded, and vLLM writes the rest.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,19 @@ LOOKUP_WAIT_MAX_S = 0.5
 SAVE_WAIT_MAX_S = 2.0
 # A save not reported settled this long after it was sent is forgotten (a report lost).
 SAVE_REPORT_LOST_S = 60.0
+
+
+def prefix_salt(request: "Request") -> str:
+    """What besides the tokens changes a prefix's KV or who may see it, folded into the
+    first key of its chain: the LoRA adapter, and vLLM's per-request ``cache_salt`` (a
+    tenant's secret against prefix-cache timing attacks). A prompt without either keeps
+    the plain chain, so it never meets a salted entry, and salted prompts meet only
+    entries of the same salt, in every tier."""
+    lora = getattr(request, "lora_request", None)
+    parts = {"lora": lora.lora_name if lora else None, "cache_salt": getattr(request, "cache_salt", None)}
+    if not any(parts.values()):
+        return ""
+    return json.dumps(parts, sort_keys=True)
 
 
 @dataclass
@@ -110,7 +124,7 @@ class SchedulerSide:
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
-        salt = f"lora:{request.lora_request.lora_name}" if getattr(request, "lora_request", None) else ""
+        salt = prefix_salt(request)
         n, c = len(tokens), self.chunk
         full, tail = divmod(n, c)
         if tail < 2:  # a one-token tail would load nothing: the last token is always computed
@@ -120,6 +134,8 @@ class SchedulerSide:
         return [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
 
     def _cacheable(self, request: "Request") -> bool:
+        # Multimodal inputs and prompt embeddings change what the tokens' KV is without
+        # changing the token ids: such prompts are never keyed, stored or loaded.
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
     @staticmethod
