@@ -2,12 +2,12 @@
 
 Runs offline on the CPU (``python bench/bench_policy.py [TRACE]`` from the repository
 root, about a minute); nothing here touches a GPU, vLLM or the serving path. It replays
-the trace through the same policy classes a tier uses (``cache.replay``) at 1, 2, 5, 10
+the trace through the same policy classes a tier uses (``cache.tools.replay``) at 1, 2, 5, 10
 and 20 % of the trace's distinct blocks, for lru, arc, s3fifo, ours (the registry's
 default) and three offline references: the optimum (belady, which knows *when* every
 block is used next) and two rate oracles (which know only *how often*: ``rate-oracle``
 every block's whole-trace use count, ``span-oracle`` also its first and last use; see
-``cache.policies_ref``). The oracles bound what any policy learning from access history
+``cache.policy.offline``). The oracles bound what any policy learning from access history
 could reach; the trace's arrival statistics (how regular each block's reuse gaps are)
 say why the rest of Belady's lead cannot be learned. It writes:
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import readme  # noqa: E402
 from cache.policy import DEFAULT_POLICY, make_policy  # noqa: E402
-from cache.replay import (  # noqa: E402
+from cache.tools.replay import (  # noqa: E402
     capacity_for_fraction,
     distinct_blocks,
     load_trace,
@@ -201,7 +201,7 @@ def main(argv: List[str] | None = None) -> int:
         f"{len(requests):,} requests, {distinct:,} distinct 512-token blocks. Token hit "
         "ratio = prompt tokens served from the tier / prompt tokens; a request hits the "
         "longest run of leading blocks present; capacity in blocks. "
-        f"`{ours}` is the registry default (`cache/policy_prefix.py`); belady is the "
+        f"`{ours}` is the registry default (`cache/policy/prefix_adaptive.py`); belady is the "
         "offline optimum (evict the block used farthest in the future, bypass blocks "
         "used later than every resident one). No queue hints unless stated.",
         "",
@@ -221,7 +221,7 @@ def main(argv: List[str] | None = None) -> int:
         "",
         "## What access history could teach",
         "",
-        "The rate oracles (offline, `cache/policies_ref.py`) know how often every block is "
+        "The rate oracles (offline, `cache/policy/offline.py`) know how often every block is "
         "used, never when: `rate-oracle` ranks blocks by their whole-trace reuses per "
         "request from first use to the end of the trace, `span-oracle` by reuses per "
         "request between first and last use, and drops a block after its last use. An "

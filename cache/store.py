@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
-from cache.policy import EvictionPolicy
+from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
@@ -419,36 +419,23 @@ class TieredStore:
         if tier.capacity is not None and nbytes > tier.capacity:
             st.rejected += 1
             return False
-        with self._lock:
-            admitted = policy.admit(key, parent, nbytes)
-        if not admitted:
+
+        def write() -> bool:
+            try:
+                return tier.write(key, parts, nbytes)
+            except Exception as e:
+                self._failed(tier, "writing", key, e)
+                return False
+
+        outcome = policy.offer(key, parent, nbytes, reserve=lambda: tier.reserve(nbytes, key),
+                               evict=lambda victim: self._evict(i, victim), write=write,
+                               lock=self._lock, rescan=lambda: self._adopt(i))
+        if outcome in (Offer.REFUSED, Offer.NO_ROOM):
             st.rejected += 1
-            return False
-        rescanned = False
-        while not tier.reserve(nbytes, key):
-            with self._lock:
-                victim = policy.victim()
-                if victim is not None:
-                    policy.remove(victim)
-            if victim is None:
-                if rescanned:   # still full of entries we cannot evict: skip this write
-                    st.rejected += 1
-                    return False
-                self._adopt(i)
-                rescanned = True
-                continue
-            self._evict(i, victim)
-        try:
-            published = tier.write(key, parts, nbytes)
-        except Exception as e:
-            self._failed(tier, "writing", key, e)
-            return False
-        if published:
+        elif outcome is Offer.STORED:
             st.writes += 1
             st.bytes_written += nbytes
-            with self._lock:
-                policy.insert(key, parent, nbytes)
-        return published
+        return outcome is Offer.STORED
 
     def _evict(self, i: int, victim: str) -> None:
         """Remove ``victim`` from local tier ``i``; hand its bytes to the next local tier

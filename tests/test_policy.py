@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import random
 import tracemalloc
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from cache.policies_ref import ARCPolicy, BeladyPolicy, RateOraclePolicy, S3FIFOPolicy
 from cache.policy import (
     DEFAULT_POLICY,
     POLICIES,
     EvictionPolicy,
     LRUPolicy,
+    Offer,
     make_policy,
+    policy_names,
 )
-from cache.policy_prefix import PrefixAdaptivePolicy
-from cache.replay import Request, replay
+from cache.policy.classic import ARCPolicy, S3FIFOPolicy
+from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
+from cache.policy.prefix_adaptive import PrefixAdaptivePolicy
+from cache.tools.replay import Request, replay
 
 
 # ----------------------------------------------------------------------------- traces
@@ -99,9 +102,6 @@ class CheckedPolicy(EvictionPolicy):
         self.victims += 1
         return v
 
-    def miss(self, key, parent):
-        self.inner.miss(key, parent)
-
     def hint_upcoming(self, keys):
         self.inner.hint_upcoming(keys)
 
@@ -129,7 +129,7 @@ class PolicyContract:
 
     def test_insert_touch_remove(self):
         p = self.make([Request(0, 1024, (1, 2))])
-        if hasattr(p, "begin_request"):
+        if isinstance(p, OfflinePolicy):
             p.begin_request((1, 2))
         p.insert(1, None, 1)
         p.insert(2, 1, 1)
@@ -144,7 +144,6 @@ class PolicyContract:
         p = self.make()
         p.remove(42)
         p.touch(42)
-        p.miss(42, None)
         p.hint_upcoming([42, 43])
         assert len(p) == 0 and p.victim() is None
         p.insert(7, None, 1)
@@ -154,7 +153,7 @@ class PolicyContract:
 
     def test_remove_all(self):
         p = self.make([Request(0, 2048, (1, 2, 3, 4))])
-        if hasattr(p, "begin_request"):
+        if isinstance(p, OfflinePolicy):
             p.begin_request((1, 2, 3, 4))
         for k, parent in ((1, None), (2, 1), (3, 2), (4, 3)):
             p.insert(k, parent, 1)
@@ -262,14 +261,31 @@ class TestPrefixAdaptive(PolicyContract):
 # ------------------------------------------------------------------ registry, default
 def test_registry_and_default():
     assert DEFAULT_POLICY in POLICIES
-    assert {"lru", "arc", "s3fifo", "prefix-adaptive"} <= set(POLICIES)
-    for name in POLICIES:
+    assert {"lru", "arc", "s3fifo", "prefix-adaptive"} <= set(policy_names())
+    for name in policy_names():
         assert isinstance(make_policy(name), EvictionPolicy)
     with pytest.raises(ValueError):
         make_policy("nope")
 
 
 # ---------------------------------------------------------------- ours: prefix rules
+def serve(p: EvictionPolicy, chain: Sequence[int], cap: int) -> Tuple[int, List[Offer]]:
+    """What a store of ``cap`` chunks does for one request: touch the leading run that is
+    present, offer the rest; returns the hits and what became of each block offered."""
+    hits = 0
+    for k in chain:
+        if k not in p:
+            break
+        p.touch(k)
+        hits += 1
+    outcomes, parent = [], chain[hits - 1] if hits else None
+    for k in chain[hits:]:
+        if k not in p:
+            outcomes.append(p.offer(k, parent, 1, lambda: len(p) < cap))
+        parent = k
+    return hits, outcomes
+
+
 def _fill(p: EvictionPolicy, chains: Sequence[Sequence[int]]) -> None:
     for chain in chains:
         parent = None
@@ -319,9 +335,8 @@ def test_refuses_the_rest_of_a_refused_chain_but_not_other_orphans():
         nxt += 1
     assert not p.admit(nxt, refused, 1)       # its child could never be hit here
     assert not p.admit(nxt + 1, nxt, 1)       # nor its grandchild
-    p.miss(5000, None)
-    p.miss(5000, None)                        # seen before, parent in another tier
-    assert p.admit(5000, 4999, 1)
+    p.admit(5000, None, 1)
+    assert p.admit(5000, 4999, 1)             # seen before, parent in another tier
 
 
 def test_admission_refuses_one_off_keys_once_full():
@@ -332,32 +347,17 @@ def test_admission_refuses_one_off_keys_once_full():
     hot = [list(range(i * 5, i * 5 + 5)) for i in range(10)]          # 50 blocks
     _fill(p, hot)
     assert p.victim() is not None                                       # tier is full
-    refused = admitted = 0
+    outcomes = []
     nxt = 10_000
     for rnd in range(40):
         for chain in hot[: 3 + rnd % 7]:                                # hot reuse
-            for k in chain:
-                if k in p:
-                    p.touch(k)
-                else:
-                    p.miss(k, None)
-                    break
-        for _ in range(4):                                              # one-off chain
-            parent = None
-            for _ in range(3):
-                k, nxt = nxt, nxt + 1
-                if p.admit(k, parent, 1):
-                    admitted += 1
-                    while len(p) >= cap:
-                        p.remove(p.victim())
-                    p.insert(k, parent, 1)
-                    parent = k
-                else:
-                    refused += 1
-                    break
-    assert refused > 0.25 * (refused + admitted)
-    # a key seen before (a miss, then asked again) is never a first sighting
-    p.miss(777_777, None)
+            serve(p, chain, cap)
+        for _ in range(4):                                              # one-off chains
+            outcomes += serve(p, range(nxt, nxt + 3), cap)[1]
+            nxt += 3
+    assert outcomes.count(Offer.REFUSED) > 0.25 * len(outcomes)
+    # a key seen before (offered, then offered again) is never a first sighting
+    p.admit(777_777, None, 1)
     assert p.admit(777_777, None, 1)
 
 
@@ -370,8 +370,7 @@ def test_hint_protects_present_keys_until_touched():
     p.hint_upcoming(protected)
     nxt = 100
     for _ in range(cap // 2):
-        p.miss(nxt, None)
-        p.miss(nxt, None)                     # seen twice: passes the admission gate
+        p.admit(nxt, None, 1)                 # seen before: passes the admission gate
         if p.admit(nxt, None, 1):
             while len(p) >= cap:
                 v = p.victim()
@@ -383,8 +382,7 @@ def test_hint_protects_present_keys_until_touched():
     p.touch(0)                                # the queued request came: no longer pinned
     p.hint_upcoming([])                       # queue is empty now: nothing pinned
     for _ in range(3 * cap):
-        p.miss(nxt, None)
-        p.miss(nxt, None)
+        p.admit(nxt, None, 1)
         if p.admit(nxt, None, 1):
             while len(p) >= cap:
                 p.remove(p.victim())
@@ -511,5 +509,5 @@ def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path
                               "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3"})
     side = WorkerSide(cfg, Namespace("m", "d", "bfloat16", "x"), num_blocks=4, block_size=16)
     dram, disk = side.store.policies[:2]
-    assert isinstance(dram, PrefixAdaptivePolicy) and not dram._last_tier and disk._last_tier
+    assert isinstance(dram, PrefixAdaptivePolicy) and not dram.last_tier and disk.last_tier
     side.shutdown()

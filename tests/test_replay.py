@@ -16,7 +16,7 @@ from typing import List
 import pytest
 
 from cache.policy import DEFAULT_POLICY
-from cache.replay import OFFLINE, Request, load_trace, run
+from cache.tools.replay import OFFLINE, Request, load_trace, run
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -93,7 +93,7 @@ def test_cli_json(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     for policy in ("lru", "belady", "rate-oracle", "span-oracle", "ours", DEFAULT_POLICY):
         out = subprocess.run(
-            [sys.executable, "-m", "cache.replay", str(trace), "--capacity-blocks", "10",
+            [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-blocks", "10",
              "--policy", policy, "--json"],
             cwd=ROOT, capture_output=True, text=True, check=True,
         ).stdout
@@ -108,7 +108,7 @@ def test_cli_json(tmp_path):
 def test_cli_default_policy_fraction_and_hints(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     out = subprocess.run(
-        [sys.executable, "-m", "cache.replay", str(trace), "--capacity-fraction", "0.5",
+        [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-fraction", "0.5",
          "--hint-window-ms", "10", "--json"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout
@@ -117,7 +117,7 @@ def test_cli_default_policy_fraction_and_hints(tmp_path):
     assert obj["capacity_blocks"] == 2          # half of 5 distinct blocks, rounded down
     assert obj["hint_window_ms"] == 10
     text = subprocess.run(
-        [sys.executable, "-m", "cache.replay", str(trace), "--capacity-blocks", "3"],
+        [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-blocks", "3"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout
     assert "token_hit_ratio=" in text

@@ -1,15 +1,15 @@
 """Replay a Mooncake-format trace through an eviction policy and report the token hit ratio.
 
-Runs offline, on the CPU, in its own process (``python -m cache.replay``); it never runs
-inside the serving path. It drives the *same* policy classes the tiers use, through the
-same calls a store makes, so a number printed here is what the policy would do in a tier
-of ``capacity_blocks`` chunks:
+Runs offline, on the CPU, in its own process (``python -m cache.tools.replay``); it never
+runs inside the serving path. It drives the *same* policy classes the tiers use, through
+the same loop a store runs (``EvictionPolicy.offer``), so a number printed here is what the
+policy would do in a tier of ``capacity_blocks`` chunks:
 
-- lookup: walk the request's leading ``hash_ids`` while present, ``touch`` each hit, and
-  call ``miss`` for the first absent one (a request only hits its leading run);
-- store: for each block of the request that is not present, ask ``admit(key, parent, 1)``;
-  if yes, make room with ``victim()``/``remove()`` until ``len < capacity``, then
-  ``insert(key, parent, 1)`` (``parent`` = the previous block of the request, or None).
+- lookup: walk the request's leading ``hash_ids`` while present and ``touch`` each hit (a
+  request only hits its leading run);
+- store: offer each block of the request that is not present
+  (``offer(key, parent, 1, reserve=len < capacity)``: admit, evict until there is room,
+  insert; ``parent`` = the previous block of the request, or None).
 
 Token hit ratio = sum(min(hit_blocks * 512, input_length)) / sum(input_length).
 
@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
-from .policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
-from .policies_ref import BeladyPolicy, RateOraclePolicy
+from cache.policy import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
+from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
 
 BLOCK_TOKENS = 512
 # Offline references, built with the whole trace: Belady knows when each block is used
-# next; the rate oracles know only how often (see ``cache.policies_ref``).
+# next; the rate oracles know only how often (see ``cache.policy.offline``).
 OFFLINE = ("belady", "rate-oracle", "span-oracle")
 
 
@@ -77,10 +77,10 @@ def capacity_for_fraction(requests: Sequence[Request], fraction: float) -> int:
     return max(1, int(fraction * distinct_blocks(requests)))
 
 
-def policy_names() -> List[str]:
+def replay_policy_names() -> List[str]:
     """Every name ``--policy`` accepts: the online registry, the offline references, and
     ``ours`` (an alias of the recommended default)."""
-    return sorted(POLICIES) + list(OFFLINE) + ["ours"]
+    return policy_names() + list(OFFLINE) + ["ours"]
 
 
 def build_policy(
@@ -149,7 +149,11 @@ def replay(
     if capacity_blocks < 1:
         raise ValueError("capacity_blocks must be >= 1")
     hit_tokens = prompt_tokens = hit_blocks = lookups = 0
-    begin = getattr(policy, "begin_request", None)
+    begin = policy.begin_request if isinstance(policy, OfflinePolicy) else None
+    offer = policy.offer
+
+    def reserve() -> bool:
+        return len(policy) < capacity_blocks
     n = len(requests)
     hint_end = 0  # requests [i+1, hint_end) are in the queue window of request i
     t0 = time.perf_counter()
@@ -171,12 +175,10 @@ def replay(
         hits = 0
         for key in ids:
             lookups += 1
-            if key in policy:
-                policy.touch(key)
-                hits += 1
-            else:
-                policy.miss(key, ids[hits - 1] if hits else None)
+            if key not in policy:
                 break
+            policy.touch(key)
+            hits += 1
         prompt_tokens += req.input_length
         hit_tokens += min(hits * BLOCK_TOKENS, req.input_length)
         hit_blocks += hits
@@ -185,13 +187,7 @@ def replay(
         for key in ids[hits:]:
             if key not in policy:
                 lookups += 1
-                if policy.admit(key, parent, 1):
-                    while len(policy) >= capacity_blocks:
-                        v = policy.victim()
-                        if v is None:
-                            break
-                        policy.remove(v)
-                    policy.insert(key, parent, 1)
+                offer(key, parent, 1, reserve)
             parent = key
     seconds = time.perf_counter() - t0
     return ReplayResult(
@@ -221,7 +217,7 @@ def run(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m cache.replay",
+        prog="python -m cache.tools.replay",
         description="Replay a Mooncake-format trace and print the token hit ratio.",
     )
     ap.add_argument("trace", help="JSONL trace (timestamp, input_length, hash_ids)")
@@ -235,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
-        choices=policy_names(),
+        choices=replay_policy_names(),
         help=f"eviction policy (default: {DEFAULT_POLICY}); belady = offline optimum; "
         "rate-oracle / span-oracle = offline, know how often each block is used",
     )

@@ -1,6 +1,6 @@
 """``prefix-adaptive``: the recommended eviction and admission policy for KV-chunk tiers.
 
-Runs wherever a tier runs (the vLLM worker's store, or ``cache.replay``), always under the
+Runs wherever a tier runs (the vLLM worker's store, or ``cache.tools.replay``), always under the
 store's lock. Nothing here blocks: every call is O(1) amortized (a few list splices, a
 hash-table probe, eight sketch/doorkeeper bytes, a bounded ghost-table probe), with no
 I/O and no sleeping. Growth of the key index is incremental (16 buckets moved per
@@ -71,7 +71,7 @@ from array import array
 from collections import deque
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
-from .policy import POLICIES, EvictionPolicy, Key
+from .base import EvictionPolicy, Key
 
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
@@ -226,20 +226,19 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     """Prefix-ordered recency/frequency experts with learned weights and admission."""
 
     name = "prefix-adaptive"
-    tier_aware = True         # make_policy passes ``last_tier``
     LEARNING_RATE = 0.45      # LeCaR's default
     DISCOUNT = 0.005          # regret left after one cache size of ticks (LeCaR)
     SAMPLE_FACTOR = 10        # history ageing period, in capacities (TinyLFU)
     EXPLORE = 0.01            # share of decisions spread evenly over the arms
     MIGRATE = 16              # index buckets moved per insert while the index grows
 
-    def __init__(self, last_tier: bool = True) -> None:
+    def __init__(self, *, last_tier: bool = True) -> None:
         """``last_tier``: chunks this tier evicts or refuses are gone (a single tier, the
         last tier of a store, the replay tool). With ``False`` its victims are demoted to
         a slower tier, so it stores every chunk it is offered (the tier below decides
         what is worth keeping) and keeps a chunk whose parent it demoted: the parent
         still serves from below."""
-        self._last_tier = last_tier
+        super().__init__(last_tier=last_tier)
         n = _FIRST
         self._keys: List[Optional[Key]] = [None] * n
         self._h32 = array("I", [0] * n)
@@ -275,7 +274,6 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         self._w = [0.5, 0.5]        # eviction experts: recency, frequency
         self._g = [0.5, 0.5]        # first sightings: admit, refuse
         self._acc = [0.0, 0.0]      # stride accumulators for the two choices
-        self._last_miss = -1        # hash counted by miss(), not to be counted again
         self._last_est = (-1, 0)    # (hash, estimate) from the last admit()
         self._gate_last: Optional[Key] = None     # last key let in by a gate "admit"
         self._gate_refused: Optional[Key] = None  # last key refused with its chain
@@ -541,20 +539,10 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             self._penalise(self._g, 0, age)
 
     # -------------------------------------------------------------------- API
-    def miss(self, key: Key, parent: Optional[Key]) -> None:
-        h = self._lookup(key)[0]
-        self._count(h)
-        self._regret(h)
-        self._last_miss = h
-
     def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
         h = self._lookup(key)[0]
-        if h == self._last_miss:
-            est = self._hist.estimate(h)
-        else:
-            est = self._count(h)
-            self._regret(h)
-        self._last_miss = -1
+        est = self._count(h)
+        self._regret(h)
         self._last_est = (h, est)
         if parent is not None:
             if parent == self._gate_refused:
@@ -569,7 +557,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
                 self._refused_by_gate = False
                 return False
         self._evicted = []
-        if not self._full or self._n < self._cap or not self._last_tier:
+        if not self._full or self._n < self._cap or not self.last_tier:
             return True                     # room to spare, or a tier below to decide
         if parent is not None and parent == self._gate_last:
             self._gate_last = key           # rest of a chain the gate let in
@@ -598,7 +586,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         # goes first and its chain stops here. (A parent that was never here may sit in
         # a faster tier: then it is stored as a root.)
         orphan = (parent is not None and not pslot and self._evicted
-                  and self._last_tier and self._evicted_parent(parent))
+                  and self.last_tier and self._evicted_parent(parent))
         slot = self._free.pop() if self._free else self._new_slot()
         self._keys[slot] = key
         self._h32[slot] = h & _M32
@@ -791,5 +779,3 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             "admit_first_sighting": self._g[0], "refuse_first_sighting": self._g[1],
         }
 
-
-POLICIES[PrefixAdaptivePolicy.name] = PrefixAdaptivePolicy

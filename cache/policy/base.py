@@ -1,0 +1,142 @@
+"""The policy contract: a small base class that owns the admit -> evict -> insert loop.
+
+Runs in whichever process writes a tier (the vLLM worker's store, or the replay tool).
+Every method of a policy is called with the store's lock held and must not block: O(1)
+amortized or O(log n), no I/O, no sleeping. ``offer`` itself takes the lock only around
+policy calls and runs the caller's I/O (reserve, evict, write) outside it.
+
+A policy tracks *chunk keys* (any hashable: the store passes ``str`` digests, the replay
+tool passes ``int`` block ids). Each chunk has an optional ``parent``: the key of the
+chunk before it in the same token sequence. A chunk is worth nothing without its
+ancestors, which is what prefix-aware policies exploit.
+
+In the style of cachetools, a policy overrides decisions and bookkeeping; the loop that
+combines them is written once, here (``offer``), and both the store and
+``cache.tools.replay`` run it:
+
+- decisions: ``admit`` (default: take everything) and ``victim``;
+- bookkeeping: ``insert``, ``touch``, ``remove``, ``__contains__``, ``__len__``, and
+  optionally ``hint_upcoming`` (default: ignore).
+
+Contract (``tests/test_policy.py`` runs one mixin of checks against every policy):
+- ``insert`` is only called for keys not present, and only after ``admit`` said yes;
+- ``victim()`` names a present key (or ``None`` when empty) and does not remove it; the
+  caller removes it with ``remove`` once the entry is gone from the tier;
+- ``remove`` of an absent key is a no-op (entries may vanish behind our back when
+  another process shares the tier); ``touch`` of an absent key is a no-op.
+
+A policy's role in a store is given to its constructor: ``last_tier=False`` means its
+victims are demoted to a slower tier rather than dropped (a store's upper tiers); a
+policy that judges admission should then take every chunk. Policies that do not care
+ignore it. Names map to classes in ``cache.policy.registry``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Callable, ClassVar, ContextManager, Hashable, Iterable, Optional
+
+Key = Hashable
+
+_UNLOCKED = nullcontext()
+
+
+class Offer(enum.Enum):
+    """What became of a chunk offered to a tier through ``EvictionPolicy.offer``."""
+
+    STORED = "stored"
+    REFUSED = "refused"            # the policy's admission said no
+    NO_ROOM = "no room"            # nothing left to evict and still no room
+    NOT_WRITTEN = "not written"    # the caller's write failed or did not publish
+
+
+class EvictionPolicy(ABC):
+    """Decides which entry of one tier goes first, and whether a new one gets in."""
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, *, last_tier: bool = True) -> None:
+        """``last_tier``: what this tier evicts or refuses is gone (a single tier, the last
+        local tier of a store, the replay tool). ``False``: victims are demoted to a
+        tier below, which judges what is worth keeping."""
+        self.last_tier = last_tier
+
+    # ------------------------------------------------------------------ decisions
+    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+        """Whether the tier should store ``key`` at all. Default: take everything."""
+        return True
+
+    @abstractmethod
+    def victim(self) -> Optional[Key]:
+        """The present key to evict next, or ``None`` when nothing is tracked."""
+
+    # ---------------------------------------------------------------- bookkeeping
+    @abstractmethod
+    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+        """``key`` is now stored in the tier."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """``key`` was read (a hit)."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """``key`` is no longer stored (evicted or deleted elsewhere)."""
+
+    def hint_upcoming(self, keys: Iterable[Key]) -> None:
+        """Keys that queued requests will need soon (protect them). Default: ignore.
+
+        Call it with the keys of the requests waiting *now*; a call supersedes the
+        previous one (a request that left the queue needs no protection any more)."""
+
+    @abstractmethod
+    def __contains__(self, key: Key) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    # ------------------------------------------------------------------- the loop
+    def offer(
+        self,
+        key: Key,
+        parent: Optional[Key],
+        size: int,
+        reserve: Callable[[], bool],
+        evict: Optional[Callable[[Key], None]] = None,
+        write: Optional[Callable[[], bool]] = None,
+        lock: ContextManager = _UNLOCKED,
+        rescan: Optional[Callable[[], None]] = None,
+    ) -> Offer:
+        """Store ``key`` in the tier if admitted: admit -> evict until room -> insert.
+
+        ``reserve()`` claims room for the entry (False: the tier is full); ``evict(v)``
+        takes victim ``v`` out of the tier (delete, demote) after the policy forgot it;
+        ``write()`` stores the entry (True once published); ``rescan()`` is called once
+        when the policy has no victim left but the tier is still full (entries it never
+        saw, e.g. written by another process), so it can be taught them. Policy calls
+        run under ``lock``; ``reserve``, ``evict``, ``write`` and ``rescan`` outside it.
+        """
+        with lock:
+            if not self.admit(key, parent, size):
+                return Offer.REFUSED
+        rescanned = rescan is None
+        while not reserve():
+            with lock:
+                victim = self.victim()
+                if victim is not None:
+                    self.remove(victim)
+            if victim is None:
+                if rescanned:
+                    return Offer.NO_ROOM
+                rescan()
+                rescanned = True
+                continue
+            if evict is not None:
+                evict(victim)
+        if write is not None and not write():
+            return Offer.NOT_WRITTEN
+        with lock:
+            self.insert(key, parent, size)
+        return Offer.STORED
