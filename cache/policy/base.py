@@ -16,7 +16,11 @@ combines them is written once, here (``offer``), and both the store and
 
 - decisions: ``admit`` (default: take everything) and ``victim``;
 - bookkeeping: ``insert``, ``touch``, ``remove``, ``__contains__``, ``__len__``, and
-  optionally ``hint_upcoming`` (default: ignore).
+  optionally ``seen`` and ``hint_upcoming`` (default: ignore).
+
+Every chunk a request uses reaches the tier's policy once, in request order: ``touch``
+when it was read from the tier (a hit), ``offer`` when it was absent, ``seen`` when it
+was present but computed again (an earlier chunk of the request missed).
 
 Contract (``tests/test_policy.py`` runs one mixin of checks against every policy):
 - ``insert`` is only called for keys not present, and only after ``admit`` said yes;
@@ -84,6 +88,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: Key) -> None:
         """``key`` is no longer stored (evicted or deleted elsewhere)."""
+
+    def seen(self, key: Key, parent: Optional[Key]) -> None:
+        """``key`` is stored, but its request computed it again because an earlier chunk
+        missed: an access that was not a hit (history only). Default: ignore."""
 
     def hint_upcoming(self, keys: Iterable[Key]) -> None:
         """Keys that queued requests will need soon (protect them). Default: ignore.

@@ -9,7 +9,8 @@ policy would do in a tier of ``capacity_blocks`` chunks:
   request only hits its leading run);
 - store: offer each block of the request that is not present
   (``offer(key, parent, 1, reserve=len < capacity)``: admit, evict until there is room,
-  insert; ``parent`` = the previous block of the request, or None).
+  insert; ``parent`` = the previous block of the request, or None), and report each one
+  that is present to ``seen`` (it was computed again: an earlier block missed).
 
 Token hit ratio = sum(min(hit_blocks * 512, input_length)) / sum(input_length).
 
@@ -20,8 +21,8 @@ or arrive within ``W`` ms, while request *i* is scheduled and prefilled, so an e
 would hold them in its waiting queue; ``W = 0`` means exactly the requests that arrived at
 the same instant. Off by default: the main numbers use no hints.
 
-Trace format (one JSON object per line): ``timestamp`` (ms), ``input_length`` (tokens),
-``output_length``, ``hash_ids`` (512-token prefix block ids).
+Traces are Mooncake-format JSONL files (``cache.tools.trace``) or seeded synthetic
+workloads (``--workload NAME``, ``cache.tools.workloads``).
 """
 
 from __future__ import annotations
@@ -35,46 +36,13 @@ from typing import Iterable, List, Optional, Sequence
 
 from cache.policy import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
+from cache.tools.trace import (BLOCK_TOKENS, Request, capacity_for_fraction, distinct_blocks,
+                               load_trace)
 
-BLOCK_TOKENS = 512
 # Offline references, built with the whole trace: Belady knows when each block is used
 # next; the rate oracles know only how often (see ``cache.policy.offline``).
 OFFLINE = ("belady", "rate-oracle", "span-oracle")
 
-
-@dataclass(frozen=True)
-class Request:
-    timestamp: float
-    input_length: int
-    hash_ids: tuple
-
-
-def load_trace(path: str) -> List[Request]:
-    """Read a Mooncake-format JSONL trace (blank lines ignored)."""
-    out: List[Request] = []
-    with open(path, "r", encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            obj = json.loads(line)
-            ids = tuple(obj["hash_ids"])
-            length = int(obj.get("input_length", len(ids) * BLOCK_TOKENS))
-            out.append(Request(float(obj.get("timestamp", 0)), length, ids))
-    return out
-
-
-def distinct_blocks(requests: Iterable[Request]) -> int:
-    seen = set()
-    for r in requests:
-        seen.update(r.hash_ids)
-    return len(seen)
-
-
-def capacity_for_fraction(requests: Sequence[Request], fraction: float) -> int:
-    """Capacity in blocks for a fraction of the trace's distinct blocks (rounded down,
-    as in the trace README: 2 % of 43,924 is 878)."""
-    return max(1, int(fraction * distinct_blocks(requests)))
 
 
 def replay_policy_names() -> List[str]:
@@ -185,9 +153,11 @@ def replay(
         # Store: every block not present, in order, if admitted.
         parent = ids[hits - 1] if hits else None
         for key in ids[hits:]:
+            lookups += 1
             if key not in policy:
-                lookups += 1
                 offer(key, parent, 1, reserve)
+            else:
+                policy.seen(key, parent)
             parent = key
     seconds = time.perf_counter() - t0
     return ReplayResult(
