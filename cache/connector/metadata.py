@@ -29,6 +29,10 @@ class ChunkIO:
     parent: Optional[str]
     block_ids: list[int]
     first: int = 0
+    # Hybrid models (cache.connector.groups): which entry kind, and the blocks of each of
+    # its KV cache groups back to back in ``block_ids`` (the same count per group).
+    kind: int = 0
+    tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class LoadRequest:
     req_id: str
     chunks: list[ChunkIO]
     asynchronous: bool     # True: load on a worker thread, report through get_finished
+    hit_end: int = 0       # tokens computed once loaded
 
 
 @dataclass

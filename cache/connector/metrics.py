@@ -8,7 +8,9 @@ bytes, load time, usage, and prefix tokens served from each tier.
 
 Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
 up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
-their tiers' folders).
+their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
+the model, 0 when the model runs without it (``cache.connector.off``, reported once,
+with every tier's capacity 0).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from cache.store import StoreStats
 
-LEVELS = ("used_bytes", "capacity_bytes")
+LEVELS = ("used_bytes", "capacity_bytes", "enabled")
 
 COUNTERS = {
     "hits": "Chunk reads served by the tier",
@@ -62,7 +64,9 @@ class TieredKVStats(KVConnectorStats):
         return dict(self.data)
 
     def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
+        # levels alone ride along with counters, except the cache-off report
+        return "all.enabled" not in self.data and not any(
+            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
 
 
 class StatsDelta:
@@ -98,12 +102,18 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             "capacity_bytes": self._gauge_cls(name="kvcache:tier_capacity_bytes",
                                               documentation="Byte bound of the tier", labelnames=names),
         }
+        self._enabled = self._gauge_cls(
+            name="kvcache:enabled", labelnames=labelnames,
+            documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
+                          "without the cache (the connector's start-up log line says why)")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
             tier, _, field = key.rpartition(".")
-            if field in self._gauges:
+            if field == "enabled":
+                self._enabled.labels(*labels).set(value)
+            elif field in self._gauges:
                 self._gauges[field].labels(*labels, tier).set(value)
             elif field in self._counters and value > 0:
                 self._counters[field].labels(*labels, tier).inc(value)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from cache.config import CacheConfig
+from cache.connector.groups import GroupLayout, checkpoints, plan_hit, window_chunks
 from cache.connector.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.keys import Namespace, chunk_keys
 from cache.store import TieredStore
@@ -75,6 +76,7 @@ class Chunk:
     parent: Optional[str]
     start: int  # first token
     end: int    # one past the last token
+    keys: tuple[str, ...] = ()  # entry key per entry kind (hybrid models; groups.EntryKind)
 
 
 @dataclass
@@ -89,13 +91,22 @@ class RequestState:
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
     save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
     issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
+    # Hybrid models: hit ends whose sliding windows are stored (groups.checkpoints), and
+    # per window kind the chunks whose window entries those need.
+    checkpoints: set[int] = field(default_factory=set)
+    window_saves: dict[int, set[int]] = field(default_factory=dict)
 
 
 class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
-                 kv_cache_manager_getter) -> None:
+                 kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
+                 retention_interval: Optional[int] = 0) -> None:
         self.config = config
         self.block_size = block_size
+        # KV cache groups and what each stores (groups.py); one full-attention kind unless
+        # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
+        self.layout = layout or GroupLayout.single(block_size)
+        self.retention_interval = retention_interval
         self.chunk = config.chunk_tokens
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
@@ -120,7 +131,16 @@ class SchedulerSide:
         if st.n_tokens != len(tokens):
             st.chunks = self._cut(tokens, request)
             st.n_tokens = len(tokens)
+            if self.layout.windows:
+                st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
+                                             self.chunk, self.retention_interval)
+                self._plan_window_saves(st)
         return st
+
+    def _plan_window_saves(self, st: RequestState) -> None:
+        bounds = [(c.start, c.end) for c in st.chunks]
+        st.window_saves = {i: window_chunks(k, bounds, st.checkpoints, self.block_size)
+                           for i, k in enumerate(self.layout.kinds) if not k.full}
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
@@ -131,7 +151,18 @@ class SchedulerSide:
             tail = 0
         keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
         bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
-        return [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+        kinds = self.layout.kinds
+        return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+                for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+
+    def _entry(self, st: RequestState, kind: int, i: int) -> tuple[str, Optional[str]]:
+        """Key and parent of chunk ``i``'s entry of ``kind``: full attention chains chunk
+        to chunk; a window entry hangs off its chunk's first-kind entry, so prefix-aware
+        policies drop it before the chunk it serves."""
+        c = st.chunks[i]
+        if kind == 0:
+            return c.keys[0], (st.chunks[i - 1].keys[0] if i else None)
+        return c.keys[kind], c.keys[0]
 
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change what the tokens' KV is without
@@ -153,35 +184,81 @@ class SchedulerSide:
         st.pending_load = None
         if not self._wants(request, "load"):
             return 0, False
-        keys = [c.key for c in st.chunks]
-        # One lookup per rank's view; a chunk counts when every rank has it, and it
-        # loads from the slowest tier any rank holds it in.
-        per_view = [v.lookup(keys) for v in self.views]
-        found = min(map(len, per_view)) if per_view else 0
-        if (found < len(keys) and st.chunks[-1].end > num_computed_tokens
-                and (self._awaiting_save(st, keys[found]) or self._awaiting_shared(st, keys[found:]))):
+        plan, missing = self._find_hit(st, num_computed_tokens)
+        if (missing and st.chunks[-1].end > num_computed_tokens
+                and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
             return None, False  # ask again at the next step
-        tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
-        hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
-        if hit_end <= num_computed_tokens:
+        if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
+            st.checkpoints.add(plan.junction)  # store the window there for the next request
+            self._plan_window_saves(st)
+        if plan is None or plan.hit_end <= num_computed_tokens:
             return 0, False
-        self._upcoming.update(dict.fromkeys(c.key for c in st.chunks[:found]))
-        needed = [i for i in range(found) if st.chunks[i].end > num_computed_tokens]
+        hit_end = plan.hit_end
+        self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
-        # shared tier even when it is the only one, load on worker threads.
+        # shared tier even when it is the only one, load on worker threads. So do hybrid
+        # models' loads: vLLM takes only request-level load failures for them.
         first = self.views[0].tiers[0] if self.views[0].n_local else None
-        sync_tier = 0 if first is not None and first.name == "dram" else -1
-        asynchronous = any(tiers[i] != sync_tier for i in needed)
+        sync_tier = 0 if first is not None and first.name == "dram" and not self.layout.hybrid else -1
+        asynchronous = any(x.tier != sync_tier for x in plan.loads)
         names = [t.name for t in self.views[0].tiers]
+        slowest: dict[int, int] = {}
+        for x in plan.loads:
+            slowest[x.chunk] = max(slowest.get(x.chunk, -1), x.tier)
         st.planned = {}
-        for i in needed:
-            n = min(st.chunks[i].end, hit_end) - max(st.chunks[i].start, num_computed_tokens)
-            st.planned[names[tiers[i]]] = st.planned.get(names[tiers[i]], 0) + n
-        chunks = [ChunkIO(st.chunks[i].key, st.chunks[i].parent, [],
-                          max(0, num_computed_tokens - st.chunks[i].start) // self.block_size)
-                  for i in needed]
-        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous)
+        tokens: dict[int, int] = {}  # per chunk: its tokens in the hit
+        for i in range(plan.chunks):
+            c = st.chunks[i]
+            if c.end > num_computed_tokens:
+                tokens[i] = min(c.end, hit_end) - max(c.start, num_computed_tokens)
+                name = names[slowest.get(i, max(slowest.values()))]
+                st.planned[name] = st.planned.get(name, 0) + tokens[i]
+        # A chunk's tokens are counted once, with its first entry loaded; those of chunks
+        # with no entry to load (outside every window) with the first entry of all.
+        rest = sum(n for i, n in tokens.items() if i not in slowest)
+        chunks = []
+        for x in plan.loads:
+            key, parent = self._entry(st, x.kind, x.chunk)
+            c = st.chunks[x.chunk]
+            held_from = self.layout.kinds[x.kind].blocks(c.start, c.end, self.block_size)[0]
+            n = tokens.pop(x.chunk, 0) + (rest if not chunks else 0)
+            chunks.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n))
+        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _find_hit(self, st: RequestState, computed: int):
+        """The longest hit every entry kind can serve (``groups.plan_hit``), and the keys
+        that would make it longer but are missing (to wait for saves or the shared tier)."""
+        kinds = self.layout.kinds
+        memo: dict[str, Optional[int]] = {}
+
+        def tier_of(key: str) -> Optional[int]:
+            # A chunk counts when every rank has it; it loads from the slowest tier any rank holds it in.
+            if key not in memo:
+                found = [v.lookup([key]) for v in self.views]
+                memo[key] = max(f[0] for f in found) if all(found) else None
+            return memo[key]
+
+        full = next((i for i, k in enumerate(kinds) if k.full), None)
+        if full is not None:
+            keys = [c.keys[full] for c in st.chunks]
+            per_view = [v.lookup(keys) for v in self.views]
+            run = min(map(len, per_view)) if per_view else 0
+            full_tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(run)]
+            missing = keys[run:]
+        else:
+            run, full_tiers, missing = len(st.chunks), [], []
+        bounds = [(c.start, c.end) for c in st.chunks]
+        plan = plan_hit(self.layout, bounds, st.n_tokens, computed, run,
+                        lambda kind, i: tier_of(st.chunks[i].keys[kind]), full_tiers)
+        if st.chunks and self.layout.windows:  # the windows the whole prompt's hit needs
+            longest = min(st.chunks[-1].end, st.n_tokens - 1)
+            for w, kind in enumerate(kinds):
+                if not kind.full:
+                    need = window_chunks(kind, bounds, {longest}, self.block_size)
+                    missing += [st.chunks[i].keys[w] for i in sorted(need)
+                                if st.chunks[i].end > computed and tier_of(st.chunks[i].keys[w]) is None]
+        return plan, missing
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -223,16 +300,19 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if num_external_tokens == 0 or st is None or st.pending_load is None:
             return
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()  # one list per KV cache group
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
-        by_key = {c.key: c for c in st.chunks}
+        by_key = {key: c for c in st.chunks for key in c.keys}
         b = self.block_size
         for chunk in load.chunks:
             c = by_key[chunk.key]
-            end = min(c.end, st.n_tokens - 1)  # the last token is computed, not loaded
-            chunk.block_ids = list(block_ids[c.start // b + chunk.first: -(-end // b)])
+            kind = self.layout.kinds[chunk.kind]
+            end = min(c.end, load.hit_end)  # the last token is computed, not loaded
+            first = kind.blocks(c.start, c.end, b)[0] + chunk.first
+            # one run of blocks per group of the kind, back to back (a single group: its blocks)
+            chunk.block_ids = [i for g in kind.group_ids for i in block_ids[g][first: -(-end // b)]]
         self._loads.append(load)
         st.issued.extend(load.chunks)
 
@@ -252,16 +332,29 @@ class SchedulerSide:
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
             block_ids = None
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
-                c = st.chunks[st.next_save]
+                i = st.next_save
                 st.next_save += 1
-                if c.key in self._saving or all(v.lookup([c.key], local_only=v.n_local > 0) for v in self.views):
-                    continue  # being saved, or stored (by us, another engine, an earlier turn)
-                if block_ids is None:
-                    block_ids = self._kv_manager().get_block_ids(req_id)[0]
-                meta.saves.append(ChunkIO(c.key, c.parent,
-                                          list(block_ids[c.start // self.block_size: -(-c.end // self.block_size)])))
-                self._saving[c.key] = [len(self.views), now + SAVE_REPORT_LOST_S]
+                for k, kind in enumerate(self.layout.kinds):
+                    if not kind.full and i not in st.window_saves.get(k, ()):
+                        continue  # no checkpoint needs this chunk's window
+                    key, parent = self._entry(st, k, i)
+                    if key in self._saving or all(v.lookup([key], local_only=v.n_local > 0) for v in self.views):
+                        continue  # being saved, or stored (by us, another engine, an earlier turn)
+                    if block_ids is None:
+                        block_ids = self._kv_manager().get_block_ids(req_id)
+                    first, last = kind.blocks(st.chunks[i].start, st.chunks[i].end, self.block_size)
+                    runs = [block_ids[g][first:last] for g in kind.group_ids]
+                    if not kind.full and any(len(r) != last - first or self._null_block in r for r in runs):
+                        continue  # vLLM freed part of the window (never expected): a future miss
+                    meta.saves.append(ChunkIO(key, parent, [i for r in runs for i in r], kind=k))
+                    self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
+
+    @property
+    def _null_block(self) -> int:
+        """vLLM's null block id: what a sliding-window group's freed blocks show as."""
+        pool = getattr(self._kv_manager(), "block_pool", None)
+        return pool.null_block.block_id if pool is not None else 0
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """Workers could not load these blocks (entry gone, damaged, foreign, late).
@@ -275,6 +368,19 @@ class SchedulerSide:
             for view in self.views:
                 if view.shared is not None:
                     view.shared.reject(bad.key)
+
+    def requests_failed(self, req_ids: set[str]) -> None:
+        """Hybrid models report load failures per request (vLLM recomputes them whole):
+        the shared tier's view forgets what those requests loaded, to ask again."""
+        for req_id in req_ids:
+            st = self.requests.get(req_id)
+            for view in self.views:
+                if st is not None and view.shared is not None:
+                    for c in st.issued:
+                        view.shared.reject(c.key)
+
+    def get_stats(self) -> None:
+        return None  # the workers report the cache's counters
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""

@@ -13,7 +13,10 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
   read past ``KVCACHE_REMOTE_TIMEOUT_MS``: the tier's own deadline) fails its blocks
-  and every later block of the request; vLLM recomputes them.
+  and every later block of the request; vLLM recomputes them. Hybrid models
+  (``cache.connector.groups``: one copier per entry kind) load asynchronously only, and
+  a failure fails the whole request (vLLM takes no block-level failures for several KV
+  cache groups); vLLM recomputes it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Optional
 import torch
 
 from cache.config import CacheConfig
+from cache.connector.groups import GroupLayout
 from cache.connector.metrics import StatsDelta
 from cache.connector.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.keys import Namespace
@@ -41,8 +45,9 @@ log = logging.getLogger(__name__)
 
 class WorkerSide:
     def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, layout: Optional[GroupLayout] = None) -> None:
         self.config = config
+        self.layout = layout or GroupLayout.single(block_size)
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -59,28 +64,31 @@ class WorkerSide:
                                  shared_admission=config.shared_admission, thread_setup=self._thread_setup)
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
-        self.copier: Optional[BlockCopier] = None
+        self.copiers: list[BlockCopier] = []  # one per entry kind
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # hybrid models: loads that failed
         self._inflight: dict[str, object] = {}
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = KVLayout.of(kv_caches, self.num_blocks)
-        self.copier = BlockCopier(kv_caches, layout)
-        log.info("kvcache: %d KV layers, block dim %d, %s, %d bytes per block; tiers: %s",
-                 len(layout.layer_names), layout.block_dim, layout.dtype_name,
-                 layout.bytes_per_block(),
-                 ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
-                           for t in self.store.tiers) or "none")
+        for kind in self.layout.kinds:
+            names = kind.layer_names or tuple(kv_caches)  # a single group: every layer
+            layout = KVLayout.of({n: kv_caches[n] for n in names}, self.num_blocks)
+            self.copiers.append(BlockCopier(kv_caches, layout, kind.layer_groups or None))
+            log.info("kvcache: %d KV layers%s, block dim %d, %s, %d bytes per block; tiers: %s",
+                     len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
+                     layout.dtype_name, layout.bytes_per_block(),
+                     ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
+                               for t in self.store.tiers) or "none")
 
     # -- loads -----------------------------------------------------------------
     def step_begins(self) -> None:
         """A step's metadata is bound, before its forward pass is launched: the compute
         stream waits for the copies of earlier saves (blocks they read may be reused)."""
-        if self.copier is not None:
-            self.copier.fence()
+        for copier in self.copiers:
+            copier.fence()
 
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
@@ -88,8 +96,8 @@ class WorkerSide:
         mark = None
         for load in meta.loads:
             if load.asynchronous:
-                if mark is None and self.copier is not None:
-                    mark = self.copier.compute_mark()  # after the compute stream's work so far
+                if mark is None and self.copiers:
+                    mark = self.copiers[0].compute_mark()  # after the compute stream's work so far
                 t = threading.Thread(target=self._load_async, args=(load, mark), daemon=True,
                                      name=f"kvcache-load-{load.req_id}")
                 self._inflight[load.req_id] = t
@@ -109,28 +117,33 @@ class WorkerSide:
             log.exception("kvcache: loading request %s failed", load.req_id)
             failed = {b for c in load.chunks for b in c.block_ids}
         with self._lock:
-            self._failed_blocks |= failed
+            if failed and self.layout.hybrid:
+                self._failed_requests.add(load.req_id)
+            else:
+                self._failed_blocks |= failed
             self._finished_loads.add(load.req_id)
 
     def _load(self, load: LoadRequest, mark=None) -> set[int]:
         """Fill the request's blocks chunk by chunk; returns the blocks that failed.
         ``mark``: the compute stream's point the copies must follow (a load on its own
         thread; see ``BlockCopier.compute_mark``)."""
-        assert self.copier is not None
+        assert self.copiers
         # Reads and checksums run on the store's read threads, ahead of the copies here.
         futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
+            copier = self.copiers[chunk.kind]
             entry = futures[i].result()
-            ok = entry is not None and entry.info.dtype == self.copier.layout.dtype_name
+            ok = entry is not None and entry.info.dtype == copier.layout.dtype_name
             if ok:
                 try:
                     with warnings.catch_warnings():  # read-only mapping, only ever copied from
                         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                        src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
+                        src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
                     src = src.view(entry.info.shape)
-                    self.copier.scatter(chunk.block_ids, src, chunk.first, after=mark)
+                    copier.scatter(chunk.block_ids, src, chunk.first, after=mark)
                     tier = self.store.stats.tiers[self.store.tiers[entry.tier].name]
-                    tier.tokens_loaded += len(chunk.block_ids) * self.block_size
+                    tier.tokens_loaded += (chunk.tokens if chunk.tokens is not None
+                                           else len(chunk.block_ids) * self.block_size)
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
                     ok = False
@@ -147,7 +160,7 @@ class WorkerSide:
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
-        levels = {}
+        levels = {"all.enabled": 1}
         for t in self.store.tiers:
             if t.capacity is not None:
                 levels[f"{t.name}.capacity_bytes"] = t.capacity
@@ -159,16 +172,22 @@ class WorkerSide:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed (hybrid models; also reported finished)."""
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
-        if not meta.saves or self.copier is None:
+        if not meta.saves or not self.copiers:
             return
-        layout = self.copier.layout
         for chunk in meta.saves:
+            copier = self.copiers[chunk.kind]
             # On CUDA the copy is still running when put() queues it: the writer thread
             # waits for it (ready), the next step's forward pass too (step_begins).
-            host, ready = self.copier.gather_async(chunk.block_ids)
-            self.store.put(chunk.key, chunk.parent, layout.dtype_name, tuple(host.shape),
+            host, ready = copier.gather_async(chunk.block_ids)
+            self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
                            host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled,
                            ready=ready)
 
