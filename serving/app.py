@@ -64,7 +64,8 @@ def build_metrics(config: ServingConfig) -> ServingMetrics:
         order = tuple(name for name, on in (("dram", c.cpu_bytes), ("disk", c.disk_bytes),
                                             ("remote", c.remote_url)) if on)
     fp = config.footprint
-    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create())
+    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create(),
+                          fp.bytes_per_request if fp else None)
 
 
 def error(status: int, message: str, kind: str = "BadRequestError",

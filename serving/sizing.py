@@ -45,7 +45,7 @@ class TierPlan:
     def tokens(self, nbytes: Optional[int]) -> Optional[int]:
         if nbytes is None or self.footprint is None:
             return None
-        return self.footprint.tokens_in(nbytes)
+        return self.footprint.tokens_in(nbytes, self.context_tokens)  # hybrids: windows, state per request
 
     def connector_extra(self) -> dict[str, str]:
         """``kv_connector_extra_config`` for ``TieredKVConnector`` (sizes in bytes).
@@ -147,6 +147,9 @@ def plan_tiers(
     cache = build_cache_config(env, defaults)
     where = (f"GPU HBM ({len(machine.gpus)} x {human_bytes(machine.gpus[0].total_bytes)})"
              if machine.has_gpu else "CPU (VLLM_CPU_KVCACHE_SPACE)")
+    if footprint is not None and footprint.state_layers:  # cache.connector.groups decides at start-up
+        notes.append("Mamba / linear-attention layers: the tiered cache turns itself off for this "
+                     "model (vLLM serves it without; see the connector's start-up line)")
     return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, tuple(notes))
 
 
