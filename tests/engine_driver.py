@@ -4,10 +4,13 @@ Used by the engine tests as a subprocess (vLLM spawns workers, so each engine li
 its own process). Reads a JSON spec from argv[1], writes one JSON line per generate
 step to stdout prefixed with ``RESULT ``.
 
-Spec: {"model": PATH, "cache": {kvcache_* settings}, "prefix_caching": bool,
+Spec: {"model": PATH, "cache": {kvcache_* settings}, "prefix_caching": bool, "log_stats": bool,
        "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"reset_prefix_cache": true} |
                  {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
-                 {"wait_for": PATH}]}
+                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX}]}
+
+``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
+off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``).
 """
 
 from __future__ import annotations
@@ -49,13 +52,23 @@ def main() -> None:
     )
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
               enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
-              seed=0)
+              seed=0, disable_log_stats=not spec.get("log_stats", False))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         elif "corrupt" in step:
             print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
+        elif step.get("engine"):
+            sched = llm.llm_engine.vllm_config.scheduler_config
+            print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}),
+                  flush=True)
+        elif "metrics" in step:
+            from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
+
+            found = {s.name: s.value for m in REGISTRY.collect() if m.name.startswith(step["metrics"])
+                     for s in m.samples}
+            print("RESULT " + json.dumps({"metrics": found}), flush=True)
         elif "sleep" in step:  # let write-behind land before another process looks
             time.sleep(step["sleep"])
         elif "touch" in step:
