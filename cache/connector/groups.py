@@ -141,7 +141,8 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
         if not getattr(group, "enable_kv_transfer", True):
             continue  # a replica vLLM rebuilds from another group after a load
         why = None
-        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec) or (
+                len(groups) == 1 and isinstance(spec, FullAttentionSpec)):  # one group: as ever
             reach = None
         elif type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
             reach = spec.sliding_window - 1 + spec.extra_retained_tokens
@@ -149,7 +150,7 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
             why = "its Mamba / linear-attention state is kept per request, not per token"
         else:
             why = f"its {type(spec).__name__} KV cache group is not supported"
-        if why is None and getattr(group, "is_eagle_group", False):
+        if why is None and len(groups) > 1 and getattr(group, "is_eagle_group", False):
             why = "a draft model's KV cache group (speculative decoding) is not supported"
         if why is None and spec.block_size != block_size:
             why = f"KV cache group {gid} has {spec.block_size}-token blocks, not {block_size}"

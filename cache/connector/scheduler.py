@@ -330,7 +330,7 @@ class SchedulerSide:
             if st is None or not st.chunks or not self._wants(st.request, "save"):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
-            block_ids = None
+            block_ids = null = None
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
                 i = st.next_save
                 st.next_save += 1
@@ -342,15 +342,15 @@ class SchedulerSide:
                         continue  # being saved, or stored (by us, another engine, an earlier turn)
                     if block_ids is None:
                         block_ids = self._kv_manager().get_block_ids(req_id)
+                        null = self._null_block()
                     first, last = kind.blocks(st.chunks[i].start, st.chunks[i].end, self.block_size)
                     runs = [block_ids[g][first:last] for g in kind.group_ids]
-                    if not kind.full and any(len(r) != last - first or self._null_block in r for r in runs):
+                    if not kind.full and any(len(r) != last - first or null in r for r in runs):
                         continue  # vLLM freed part of the window (never expected): a future miss
-                    meta.saves.append(ChunkIO(key, parent, [i for r in runs for i in r], kind=k))
+                    meta.saves.append(ChunkIO(key, parent, [b for r in runs for b in r], kind=k))
                     self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
 
-    @property
     def _null_block(self) -> int:
         """vLLM's null block id: what a sliding-window group's freed blocks show as."""
         pool = getattr(self._kv_manager(), "block_pool", None)
@@ -374,8 +374,8 @@ class SchedulerSide:
         the shared tier's view forgets what those requests loaded, to ask again."""
         for req_id in req_ids:
             st = self.requests.get(req_id)
-            for view in self.views:
-                if st is not None and view.shared is not None:
+            for view in (self.views if st is not None else ()):
+                if view.shared is not None:
                     for c in st.issued:
                         view.shared.reject(c.key)
 

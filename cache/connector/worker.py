@@ -74,9 +74,12 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for kind in self.layout.kinds:
-            names = kind.layer_names or tuple(kv_caches)  # a single group: every layer
+            if self.layout.hybrid:  # the kind's layers, each reading its group's blocks
+                names, groups = kind.layer_names, kind.layer_groups
+            else:  # one group: every layer in vLLM's order, as entries always held them
+                names, groups = tuple(kv_caches), None
             layout = KVLayout.of({n: kv_caches[n] for n in names}, self.num_blocks)
-            self.copiers.append(BlockCopier(kv_caches, layout, kind.layer_groups or None))
+            self.copiers.append(BlockCopier(kv_caches, layout, groups))
             log.info("kvcache: %d KV layers%s, block dim %d, %s, %d bytes per block; tiers: %s",
                      len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
                      layout.dtype_name, layout.bytes_per_block(),
