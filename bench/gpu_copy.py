@@ -1,4 +1,4 @@
-"""The connector's GPU copy path (``cache.kv_copy.BlockCopier``) on a real CUDA device.
+"""The connector's GPU copy path (``cache.vllm.kv_copy.BlockCopier``) on a real CUDA device.
 
     python -m bench.gpu_copy [--layers 32 --kv-heads 8 --head-dim 128 --blocks 4096] [--json OUT]
 
@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from cache.kv_copy import BlockCopier, KVLayout  # noqa: E402
+from cache.vllm.kv_copy import BlockCopier, KVLayout  # noqa: E402
 
 BLOCK = 16  # vLLM's default block size on CUDA
 

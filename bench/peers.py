@@ -37,7 +37,7 @@ def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
     ``more``: further settings by their lower-case names without ``kvcache_``."""
     return {
         "kv_connector": "TieredKVConnector",
-        "kv_connector_module_path": "cache.vllm_connector",
+        "kv_connector_module_path": "cache.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "kvcache_cpu_path": cpu_path, "kvcache_cpu_size": cpu_size,

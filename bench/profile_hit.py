@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     from cache.codec import decode
     from cache.config import build_cache_config
     from cache.keys import Namespace, chunk_keys
-    from cache.kv_copy import BlockCopier, KVLayout
+    from cache.vllm.kv_copy import BlockCopier, KVLayout
     from cache.policy import make_policy
     from cache.store import TieredStore
     from cache.tiers import make_tiers

@@ -22,8 +22,8 @@ import threading
 import time
 
 from cache import store as store_module
-from cache.connector import worker as worker_module
-from cache.vllm_connector import TieredKVConnector
+from cache.vllm import worker as worker_module
+from cache.vllm.connector import TieredKVConnector
 
 _lock = threading.Lock()
 
@@ -59,7 +59,7 @@ def _patch_worker_classes() -> None:
             _timers.decode += time.perf_counter() - t
 
     store_module.decode = decode
-    from cache.kv_copy import BlockCopier
+    from cache.vllm.kv_copy import BlockCopier
     from cache.tiers.files import FileTier
 
     orig_read = FileTier.read

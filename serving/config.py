@@ -49,7 +49,7 @@ DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
 DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
 DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
 CONNECTOR = {"kv_connector": "TieredKVConnector",
-             "kv_connector_module_path": "cache.vllm_connector",
+             "kv_connector_module_path": "cache.vllm.connector",
              "kv_role": "kv_both"}
 
 # LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
@@ -95,7 +95,7 @@ class EngineSettings:
     served_model_name: str = "model"
     tensor_parallel_size: int = 1
     kvcache_enabled: bool = True
-    # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.warm) by an engine of
+    # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.tools.warm) by an engine of
     # its own before this one starts; None: no warm-up.
     warm_prompts: Optional[str] = None
 
@@ -341,7 +341,7 @@ WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
 def _warm_prompts(env: Mapping[str, str], plan: Optional[TierPlan]) -> Optional[str]:
     """``KVCACHE_WARM_PROMPTS``, checked now so that a bad file stops start-up before any
     engine runs: readable, one JSON object per line with one of ``WARM_KEYS``, and a
-    cache that can publish (warming fills the shared tier; ``cache.warm``)."""
+    cache that can publish (warming fills the shared tier; ``cache.tools.warm``)."""
     path = (env.get("KVCACHE_WARM_PROMPTS") or "").strip()
     if not path:
         return None

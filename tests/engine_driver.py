@@ -43,7 +43,7 @@ def main() -> None:
 
     transfer = KVTransferConfig(
         kv_connector="TieredKVConnector",
-        kv_connector_module_path="cache.vllm_connector",
+        kv_connector_module_path="cache.vllm.connector",
         kv_role="kv_both",
         kv_connector_extra_config=spec["cache"],
     )

@@ -10,7 +10,7 @@ Spec: {"model": PATH, "cache": {kvcache_* settings},
        "steps": [{"prompt_token_ids": [...]} | {"reset_prefix_cache": true} |
                  {"warm": [[token ids], ...]} | {"shutdown": true}]}
 
-``warm`` runs ``cache.warm.warm_engine`` (what ``python -m cache.warm`` does);
+``warm`` runs ``cache.tools.warm.warm_engine`` (what ``python -m cache.tools.warm`` does);
 ``shutdown`` shuts the engine down the way the warm tool does, which flushes the
 cache's write and publish queues.
 """
@@ -29,9 +29,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from cache.warm import shutdown_engine, warm_engine
+    from cache.tools.warm import shutdown_engine, warm_engine
 
-    transfer = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="cache.vllm_connector",
+    transfer = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="cache.vllm.connector",
                                 kv_role="kv_both", kv_connector_extra_config=spec["cache"])
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")

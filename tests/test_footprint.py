@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from cache.footprint import FootprintError, footprint_from_config, load_hf_config, main
+from cache.footprint import FootprintError, footprint_from_config, load_hf_config
+from cache.tools.footprint import main
 
 LLAMA3_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
@@ -108,7 +109,7 @@ def test_cli_json(llama_dir, capsys):
 
 
 def test_cli_text_defaults_to_max_context(llama_dir):
-    run = subprocess.run([sys.executable, "-m", "cache.footprint", str(llama_dir / "config.json")],
+    run = subprocess.run([sys.executable, "-m", "cache.tools.footprint", str(llama_dir / "config.json")],
                          capture_output=True, text=True, check=True)
     assert "327,680 bytes" in run.stdout
     assert "one 131,072-token request: 42,949,672,960 bytes (40.0 GiB)" in run.stdout

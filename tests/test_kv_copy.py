@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cache.kv_copy import BlockCopier, KVLayout
+from cache.vllm.kv_copy import BlockCopier, KVLayout
 
 
 @pytest.mark.parametrize("shape", [(10, 2, 4, 8), (2, 10, 4, 8), (10, 4, 16)])

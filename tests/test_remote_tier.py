@@ -498,7 +498,7 @@ def faulty_url(tmp_path):
 
 
 def scheduler(url, timeout_ms):
-    from cache.connector.scheduler import SchedulerSide
+    from cache.vllm.scheduler import SchedulerSide
 
     config = CacheConfig(chunk_tokens=32, remote_url=url, remote_timeout_ms=timeout_ms)
     ns = Namespace("m", "d", "uint8", "x", chunk_tokens=32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache.config import build_cache_config
-from cache.connector.scheduler import SchedulerSide
+from cache.vllm.scheduler import SchedulerSide
 from cache.keys import Namespace
 from cache.store import TieredStore
 from cache.policy import LRUPolicy
@@ -164,7 +164,7 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
 
     # the wait counts from the waiting request, not from the save: a save sent before a
     # forward pass longer than the wait still defers a request that arrives after it
-    import cache.connector.scheduler as sched
+    import cache.vllm.scheduler as sched
     clock = [sched.time.monotonic()]
     monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
     side.get_num_new_matched_tokens(request("e", 700, seed=4), 0)

@@ -140,7 +140,7 @@ def test_connector_config_carries_resolved_sizes_not_the_secret(env):
                                 "KVCACHE_SIGNING_KEY": "s3cret", "KVCACHE_CHUNK_TOKENS": "512"}, CPU_BOX)
     tc = json.loads(args_of(cfg)["--kv-transfer-config"])
     assert tc["kv_connector"] == "TieredKVConnector"
-    assert tc["kv_connector_module_path"] == "cache.vllm_connector" and tc["kv_role"] == "kv_both"
+    assert tc["kv_connector_module_path"] == "cache.vllm.connector" and tc["kv_role"] == "kv_both"
     extra = tc["kv_connector_extra_config"]
     assert extra["kvcache_cpu_size"] == str(64 * 2**20) and extra["kvcache_disk_size"] == str(2**30)
     assert extra["kvcache_chunk_tokens"] == "512"

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from cache.warm import prompt_tokens, read_prompts
+from cache.tools.warm import prompt_tokens, read_prompts
 from tests.conftest import REPO, engine_env
 
 CHUNK = 256
@@ -117,7 +117,7 @@ def test_warm_reads_text_token_and_chat_prompts(tmp_path):
 
 def test_warm_refuses_to_run_without_a_shared_tier(tmp_path, monkeypatch):
     from cache.config import ConfigError
-    from cache.warm import warm
+    from cache.tools.warm import warm
 
     monkeypatch.delenv("KVCACHE_REMOTE_URL", raising=False)
     cache = {"kvcache_cpu_path": str(tmp_path / "shm"), "kvcache_disk_path": str(tmp_path / "disk"),

@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 
 from cache.config import CacheConfig
-from cache.connector.metrics import StatsDelta
-from cache.connector.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
+from cache.vllm.metrics import StatsDelta
+from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.keys import Namespace
-from cache.kv_copy import BlockCopier, KVLayout
+from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.policy import make_policy
 from cache.store import TieredStore
 from cache.threads import spare_cpus, thread_setup

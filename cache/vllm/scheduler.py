@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from cache.config import CacheConfig
-from cache.connector.metadata import ChunkIO, LoadRequest, TieredKVMetadata
+from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.keys import Namespace, chunk_keys
 from cache.store import TieredStore
 from cache.tiers import make_tiers

@@ -3,7 +3,7 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector":"TieredKVConnector",
-                           "kv_connector_module_path":"cache.vllm_connector",
+                           "kv_connector_module_path":"cache.vllm.connector",
                            "kv_role":"kv_both"}'
 
 vLLM builds one instance with the scheduler role (engine-core process) and one per
@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cache.config import build_cache_config, check_block_size
-from cache.connector.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from cache.connector.namespace import engine_namespace
+from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from cache.vllm.namespace import engine_namespace
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("cache.vllm_connector")
+log = logging.getLogger("cache.vllm.connector")
 
 
 class TieredKVConnector(KVConnectorBase_V1):
@@ -52,7 +52,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
-            from cache.connector.scheduler import SchedulerSide
+            from cache.vllm.scheduler import SchedulerSide
 
             # A cache never fails a request: a chunk that cannot be loaded is recomputed.
             if transfer.kv_load_failure_policy != "recompute":
@@ -68,7 +68,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-            from cache.connector.worker import WorkerSide
+            from cache.vllm.worker import WorkerSide
 
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
@@ -119,13 +119,13 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None):
-        from cache.connector.metrics import TieredKVStats
+        from cache.vllm.metrics import TieredKVStats
 
         return TieredKVStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from cache.connector.metrics import TieredKVPromMetrics
+        from cache.vllm.metrics import TieredKVPromMetrics
 
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

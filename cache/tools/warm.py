@@ -1,7 +1,7 @@
 """Pre-warming: compute the KV of given prompt prefixes once and publish it to the shared
 tier (L3), so every endpoint of the model starts warm.
 
-    python -m cache.warm PROMPTS.jsonl --model /opt/ml/model [--max-model-len N] [--batch N]
+    python -m cache.tools.warm PROMPTS.jsonl --model /opt/ml/model [--max-model-len N] [--batch N]
 
 ``PROMPTS.jsonl`` holds one JSON object per line with ``"prompt"`` (text),
 ``"prompt_token_ids"`` (a list of ints) or ``"messages"`` (a chat, rendered with the
@@ -117,7 +117,7 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(kv_connector="TieredKVConnector",
-                                kv_connector_module_path="cache.vllm_connector",
+                                kv_connector_module_path="cache.vllm.connector",
                                 kv_role="kv_both", kv_connector_extra_config=dict(cache or {}))
     llm = LLM(model, kv_transfer_config=transfer, enable_prefix_caching=True, **engine_args)
     try:
@@ -135,7 +135,7 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cache.warm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cache.tools.warm", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompts", help="JSON-lines file of prompts")
     parser.add_argument("--model", default="/opt/ml/model", help="model path or id (default /opt/ml/model)")
     parser.add_argument("--max-model-len", type=int, default=None)
