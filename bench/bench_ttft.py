@@ -299,7 +299,7 @@ class Bench:
         each followed by ``p`` again from vLLM's prefix cache (the engine's l0) and by the
         one-token l0. ``before()`` runs before each hit and returns details to record with
         it. The first round is a warm-up."""
-        tier = {"disk": "disk", "l3": "remote"}[kind]
+        tier = {"disk": "disk", "l3": "shared"}[kind]
         l0 = "l0" + self.ENGINE_OF[kind]
         for i in range(1 + self.hit_repeats):
             detail = before() if before else {}

@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     from cache.vllm.kv_copy import BlockCopier, KVLayout
     from cache.policy import make_policy
     from cache.store import TieredStore
-    from cache.tiers import make_tiers
+    from cache.assembly import build_tiers
 
     torch.set_num_threads(1)  # as vLLM's CPU worker runs
     block, chunk = 128, 256
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
                  "kvcache_cpu_size": "2GiB" if tier_name == "dram" else "0",
                  "kvcache_disk_size": "2GiB" if tier_name == "disk" else "0"}
         config = build_cache_config(env={}, extra=extra)
-        tiers = make_tiers(config, ns.id)
+        tiers = build_tiers(config, ns.id)
         store = TieredStore(tiers, ns.digest, [make_policy(config.policy) for _ in tiers],
                             io_threads=config.io_threads)
         for i, key in enumerate(keys):

@@ -318,7 +318,7 @@ class TieredStore:
         tier = self.shared
         if tier is None or self._publisher is None or tier.contains(key):
             return
-        if not getattr(tier, "available", True):  # down: skip without queueing
+        if not tier.available:  # down: skip without queueing
             self.stats.tiers[tier.name].unavailable += 1
             return
         nbytes = sum(memoryview(p).nbytes for p in parts)
@@ -398,9 +398,7 @@ class TieredStore:
         tier = self.tiers[i]
         self._warn(tier.name, "kvcache: ignoring bad entry %s in %s: %s", key, tier.name, e)
         if i >= self.n_local:
-            reject = getattr(tier, "reject", None)
-            if reject is not None:
-                reject(key)
+            tier.reject(key)
             return
         self._forget(i, key)
         tier.delete(key)

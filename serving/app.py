@@ -60,9 +60,9 @@ class Gate:
 def build_metrics(config: ServingConfig) -> ServingMetrics:
     order: tuple[str, ...] = ()
     if config.plan is not None:
-        c = config.plan.cache  # the tiers the connector enables, fastest first (cache.tiers.make_tiers)
+        c = config.plan.cache  # the tiers the connector enables, fastest first (cache.assembly.build_tiers)
         order = tuple(name for name, on in (("dram", c.cpu_bytes), ("disk", c.disk_bytes),
-                                            ("remote", c.remote_url)) if on)
+                                            ("shared", c.remote_url)) if on)
     fp = config.footprint
     return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create())
 

@@ -115,7 +115,7 @@ class NvmlEnergy:
 class ServingMetrics:
     """Our metrics, in their own registry (rendered after vLLM's).
 
-    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``remote``), to
+    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``shared``), to
     name the slowest tier that served a request.
     """
 

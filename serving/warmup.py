@@ -82,11 +82,11 @@ class Warmup:
                       f": {report['error']}" if report.get("error") else "; see the log above")
             return None
         reloaded = report.get("reloaded") or {}
-        published = sum(n for tier, n in reloaded.items() if tier != "remote")
+        published = sum(n for tier, n in reloaded.items() if tier != "shared")
         log.info("warm-up done: %d prompts, %d tokens in %.1f s; %d tokens published to the shared "
                  "tier now, %d were shared already (tokens read back per tier: %s)",
                  report["prompts"], report["tokens"], report["seconds"], published,
-                 reloaded.get("remote", 0), reloaded or "none")
+                 reloaded.get("shared", 0), reloaded or "none")
         return report
 
     def kill(self) -> None:

@@ -10,7 +10,7 @@ from cache.vllm.scheduler import SchedulerSide
 from cache.keys import Namespace
 from cache.store import TieredStore
 from cache.policy import LRUPolicy
-from cache.tiers import make_tiers
+from cache.assembly import build_tiers
 
 BLOCK, CHUNK = 128, 256
 
@@ -30,7 +30,7 @@ def setup(tmp_path):
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager)
-    writer = TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])
+    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])
     return side, writer
 
 
@@ -142,7 +142,7 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
     ranks = [Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK, tp_rank=r) for r in range(2)]
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, ranks, BLOCK, lambda: manager)
-    writers = [TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()]) for ns in ranks]
+    writers = [TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()]) for ns in ranks]
 
     side.get_num_new_matched_tokens(request("a", 700), 0)
     meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700}))

@@ -458,7 +458,7 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
     finally:
         stop_server(other)
     loaded = second["kv_transfer_params"]["kvcache_loaded_tokens"]
-    assert loaded.get("remote", 0) >= 1024 and "dram" not in loaded and "disk" not in loaded
+    assert loaded.get("shared", 0) >= 1024 and "dram" not in loaded and "disk" not in loaded
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
 

@@ -82,9 +82,9 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
         "cache": cache_spec(tmp_path, "b"),
         "steps": [{"prompt_token_ids": P1}, {"prompt_token_ids": P2}],
     })
-    assert hit["loaded"] == {"remote": HIT_P1}
+    assert hit["loaded"] == {"shared": HIT_P1}
     assert hit["token_ids"] == reference["token_ids"] and hit["logprobs"] == reference["logprobs"]
-    assert hit2["loaded"] == {"remote": HIT_P2}
+    assert hit2["loaded"] == {"shared": HIT_P2}
     assert len(entry_files(tmp_path / "shm-b")) >= 6  # promoted into the second engine's DRAM
 
 

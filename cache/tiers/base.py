@@ -32,6 +32,13 @@ class Tier(ABC):
     # ``contains`` answers from memory (see ``probe``).
     shared: bool = False
 
+    @property
+    def available(self) -> bool:
+        """Whether a write handed to the tier now may succeed. A shared tier says no
+        while it is down and its next retry is not due, so the store skips the write
+        without queueing it; local tiers are always available."""
+        return True
+
     def probe(self, keys: Sequence[str]) -> bool:
         """Start background existence checks for the chain ``keys``; True while some are
         still unanswered. Local tiers answer ``contains`` directly: nothing to wait for."""

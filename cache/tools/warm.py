@@ -41,7 +41,7 @@ class WarmReport:
     tokens: int = 0
     seconds: float = 0.0
     # Tokens the second pass loaded, per tier: "dram"/"disk" were published now,
-    # "remote" were shared already.
+    # "shared" were shared already.
     reloaded: dict[str, int] = field(default_factory=dict)
 
 
@@ -125,9 +125,9 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
         report = warm_engine(llm, prompts, batch_size)
     finally:
         shutdown_engine(llm)
-    published = sum(n for tier, n in report.reloaded.items() if tier != "remote")
+    published = sum(n for tier, n in report.reloaded.items() if tier != "shared")
     log.info("kvcache: warmed %d prompts (%d tokens) in %.1f s: %d tokens published now, %d already "
-             "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("remote", 0))
+             "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("shared", 0))
     if report.prompts and not report.reloaded:
         log.warning("kvcache: warm-up reloaded nothing: are the local tiers large enough for one "
                     "batch (KVCACHE_CPU_SIZE, KVCACHE_DISK_SIZE, --batch)?")

@@ -39,7 +39,7 @@ from cache.config import CacheConfig
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.keys import Namespace, chunk_keys
 from cache.store import TieredStore
-from cache.tiers import make_tiers
+from cache.assembly import build_tiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -99,7 +99,7 @@ class SchedulerSide:
         self.chunk = config.chunk_tokens
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
-        self.views = [TieredStore(make_tiers(config, ns.id), ns.digest) for ns in namespaces]
+        self.views = [TieredStore(build_tiers(config, ns.id), ns.digest) for ns in namespaces]
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter

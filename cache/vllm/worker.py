@@ -34,7 +34,7 @@ from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.policy import make_policy
 from cache.store import TieredStore
 from cache.threads import spare_cpus, thread_setup
-from cache.tiers import make_tiers
+from cache.assembly import build_tiers
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._stats = StatsDelta()
-        tiers = make_tiers(config, namespace.id)
+        tiers = build_tiers(config, namespace.id)
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
         # Upper local tiers demote what they evict, so their policy takes every chunk; the

@@ -21,9 +21,11 @@ from cache.config import CacheConfig, ConfigError
 from cache.keys import Namespace, chunk_keys
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
-from cache.tiers import make_tiers
+from cache.assembly import build_tiers
 from cache.tiers.memory import MemoryTier
-from cache.tiers.remote import Pacer, RemoteTier, make_remote_tier
+from cache.assembly import shared_tier
+from cache.tiers.resilience import Pacer
+from cache.tiers.shared import SharedTier
 from tests.test_tiers_store import KEY, NS, TierContract, payload
 
 ENTRY = 1000 + 256  # payload + header
@@ -116,13 +118,13 @@ def faulty_fs(**knobs) -> FaultyFS:
     return cls()
 
 
-def remote(root, fs=None, namespace="ns", **kw) -> RemoteTier:
+def remote(root, fs=None, namespace="ns", **kw) -> SharedTier:
     fs = fs if fs is not None else LocalFileSystem()
     kw.setdefault("refresh_s", 0)
-    return RemoteTier(lambda: fs, str(root), namespace, **kw)
+    return SharedTier(lambda: fs, str(root), namespace, **kw)
 
 
-def node(l3: RemoteTier, key: bytes = b"", mode: str = "reused", dram: int = 8 * ENTRY) -> TieredStore:
+def node(l3: SharedTier, key: bytes = b"", mode: str = "reused", dram: int = 8 * ENTRY) -> TieredStore:
     """One engine's writer store: its own DRAM tier, and the shared tier."""
     tiers = [MemoryTier(dram, "dram"), l3]
     return TieredStore(tiers, NS, [LRUPolicy() for _ in tiers], signing_key=key, shared_admission=mode)
@@ -151,9 +153,9 @@ def wait_known(s: TieredStore, keys, timeout=5.0) -> list[int]:
 
 
 # -- the Tier contract ----------------------------------------------------------
-class TestRemoteTierOnFiles(TierContract):
+class TestSharedTierOnFiles(TierContract):
     def make(self, tmp_path, capacity):
-        return make_remote_tier(CacheConfig(remote_url=f"file://{tmp_path}/l3"), "ns")
+        return shared_tier(CacheConfig(remote_url=f"file://{tmp_path}/l3"), "ns")
 
     def test_capacity_is_a_hard_bound(self, tmp_path):
         t = self.make(tmp_path, 25)  # the backend's quota bounds it, not this process
@@ -167,9 +169,9 @@ class TestRemoteTierOnFiles(TierContract):
         assert os.listdir(path.parent) == [KEY]  # no temporary file left behind
 
 
-class TestRemoteTierOnMemory(TestRemoteTierOnFiles):
+class TestSharedTierOnMemory(TestSharedTierOnFiles):
     def make(self, tmp_path, capacity):
-        return make_remote_tier(CacheConfig(remote_url=f"memory://kv-{uuid.uuid4().hex}"), "ns")
+        return shared_tier(CacheConfig(remote_url=f"memory://kv-{uuid.uuid4().hex}"), "ns")
 
     def test_entries_land_where_a_mount_would_show_them(self, tmp_path):
         pytest.skip("memory:// has no mount")
@@ -222,7 +224,7 @@ class FakeCurvineFileSystem:
 FakeCurvineFileSystem.__name__ = "CurvineFileSystem"
 
 
-class TestRemoteTierOnCurvineSDK(TestRemoteTierOnFiles):
+class TestSharedTierOnCurvineSDK(TestSharedTierOnFiles):
     """curvine://PATH through the SDK's fsspec class (replaced by a local stand-in)."""
 
     def make(self, tmp_path, capacity):
@@ -232,7 +234,7 @@ class TestRemoteTierOnCurvineSDK(TestRemoteTierOnFiles):
         sdk = types.ModuleType("curvinefs")
         sdk.CurvineFileSystem = FakeCurvineFileSystem
         self._mp.setitem(__import__("sys").modules, "curvinefs", sdk)
-        return make_remote_tier(CacheConfig(remote_url="curvine:///kv", curvine_conf=str(conf)), "ns")
+        return shared_tier(CacheConfig(remote_url="curvine:///kv", curvine_conf=str(conf)), "ns")
 
     @pytest.fixture(autouse=True)
     def _patch(self, monkeypatch):
@@ -256,9 +258,9 @@ def test_bad_urls_stop_start_up_with_one_message(tmp_path, monkeypatch):
     }
     for url, (curvine_conf, words) in cases.items():
         with pytest.raises(ConfigError, match=words):
-            make_tiers(CacheConfig(remote_url=url.strip(), curvine_conf=curvine_conf), "ns")
-    tiers = make_tiers(CacheConfig(remote_url=f"file://{tmp_path}/l3"), "ns")
-    assert [t.name for t in tiers] == ["remote"] and tiers[0].shared
+            build_tiers(CacheConfig(remote_url=url.strip(), curvine_conf=curvine_conf), "ns")
+    tiers = build_tiers(CacheConfig(remote_url=f"file://{tmp_path}/l3"), "ns")
+    assert [t.name for t in tiers] == ["shared"] and tiers[0].shared
 
 
 # -- publishing rule --------------------------------------------------------------
@@ -270,9 +272,9 @@ def test_chunks_used_twice_are_published_and_one_offs_are_not(tmp_path):
     assert s.get(keys[0]).tier == 0                # used again
     assert s.flush(10)
     assert shared_keys(tmp_path / "l3") == {keys[0]}
-    assert s.stats.tiers["remote"].writes == 1
+    assert s.stats.tiers["shared"].writes == 1
     s.get(keys[0])
-    assert s.flush(10) and s.stats.tiers["remote"].writes == 1  # known there: not again
+    assert s.flush(10) and s.stats.tiers["shared"].writes == 1  # known there: not again
     s.check()
 
 
@@ -300,7 +302,7 @@ def test_second_node_finds_loads_and_promotes_shared_chunks(tmp_path):
     e = b.get(keys[2])
     assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(2))
     assert b.flush(10) and b.lookup(keys[2:3]) == [0]  # promoted into DRAM
-    assert b.stats.tiers["remote"].hits == 1
+    assert b.stats.tiers["shared"].hits == 1
 
 
 def test_probe_stops_at_the_first_missing_chunk(tmp_path):
@@ -347,7 +349,7 @@ def test_entry_evicted_after_reuse_is_published_when_the_tier_is_back(tmp_path, 
     put_chain(s, keys[:1])
     s.get(keys[0])                      # reused, but the shared tier is down: skipped
     assert s.flush(10)
-    assert s.stats.tiers["remote"].unavailable >= 1
+    assert s.stats.tiers["shared"].unavailable >= 1
     type(fs).error = None
     clock.t += 2                        # past the backoff
     put_chain(s, keys[1:])              # DRAM holds two: keys[0] is evicted, and published
@@ -368,7 +370,7 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
 
     b = node(remote(l3), key=b"k2")                 # a node with another key
     assert wait_known(b, keys) == [1, 1]
-    assert b.get(keys[0]) is None and b.stats.tiers["remote"].corrupt == 1
+    assert b.get(keys[0]) is None and b.stats.tiers["shared"].corrupt == 1
     assert b.lookup(keys) == []                     # ignored from now on...
     assert (l3 / "ns" / keys[0][:2] / keys[0]).exists()  # ...but not deleted
 
@@ -383,7 +385,7 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
         assert t.write(key, [entry], len(entry))
     c = node(remote(l3), key=b"k1")
     assert c.get(unsigned) is None and c.get(foreign) is None
-    assert c.stats.tiers["remote"].corrupt == 2
+    assert c.stats.tiers["shared"].corrupt == 2
     assert c.get(keys[1]).tier == 1                 # the signed one is served
 
 
@@ -395,7 +397,7 @@ def test_truncated_writes_are_never_served(tmp_path):
     b = node(remote(tmp_path / "l3"))
     assert wait_known(b, keys) == [1, 1, 1]
     assert all(b.get(k) is None for k in keys)
-    assert b.stats.tiers["remote"].corrupt == 3 and b.lookup(keys) == []
+    assert b.stats.tiers["shared"].corrupt == 3 and b.lookup(keys) == []
 
 
 def test_readers_never_see_a_partial_entry(tmp_path):
@@ -421,7 +423,7 @@ def test_readers_never_see_a_partial_entry(tmp_path):
     assert a.flush(30)
     done.set()
     t.join()
-    assert b.stats.tiers["remote"].corrupt == 0 and len(seen) > 0
+    assert b.stats.tiers["shared"].corrupt == 0 and len(seen) > 0
 
 
 # -- faults: nothing fails, nothing blocks the scheduler, outages are quiet -------------
@@ -435,7 +437,7 @@ def test_reads_past_the_deadline_are_misses(tmp_path):
     assert b.get(keys[0]) is None
     elapsed = time.perf_counter() - t0
     assert elapsed < 0.5, elapsed
-    assert b.stats.tiers["remote"].timeouts == 1 and b.stats.tiers["remote"].errors == 1
+    assert b.stats.tiers["shared"].timeouts == 1 and b.stats.tiers["shared"].errors == 1
 
 
 def test_lookups_answer_from_memory_however_slow_the_backend(tmp_path):
@@ -470,7 +472,7 @@ def test_unreachable_tier_is_logged_once_skipped_and_retried_with_backoff(tmp_pa
     calls = fs.calls
     assert calls <= 8                   # three failures opened the breaker; then nothing
     assert s.lookup(keys[-1:]) == [0]   # served from DRAM meanwhile
-    assert s.stats.tiers["remote"].unavailable > 0
+    assert s.stats.tiers["shared"].unavailable > 0
 
     clock.t += 1.5                      # first retry: still down, backoff doubles
     assert s.get(keys_of(1, seed=901)[0]) is None
@@ -533,7 +535,7 @@ def test_scheduler_defers_a_request_only_until_the_shared_tier_answers(tmp_path,
     n, asynchronous, waited = ask_until_answered(side, request(case))
     if case == "present":
         assert (n, asynchronous) == (192, True) and waited < 0.3
-        assert side.requests[case].planned == {"remote": 192}
+        assert side.requests[case].planned == {"shared": 192}
     else:
         assert (n, asynchronous) == (0, False)
         assert waited <= 0.45, waited  # bounded by the lookup wait (300 ms here)
@@ -577,17 +579,21 @@ def test_pacer_holds_transfers_to_the_link_rate():
 def test_capped_shared_tier_paces_reads_and_writes(tmp_path):
     """Every entry byte written or read is charged to the link (the pacer's arithmetic
     is the test above): two entries written, then one read on another node."""
-    def charged(tier: RemoteTier) -> list[int]:
-        seen, take = [], tier._pacer.take
-        tier._pacer.take = lambda nbytes, started=None: (seen.append(nbytes), take(nbytes, started))
-        return seen
+    class Charged(Pacer):
+        def __init__(self, rate):
+            super().__init__(rate)
+            self.seen = []
 
-    l3 = remote(tmp_path / "l3", bandwidth=10**9)
-    writes = charged(l3)
+        def take(self, nbytes, started=None):
+            self.seen.append(nbytes)
+            super().take(nbytes, started)
+
+    writes = Charged(10**9)
+    l3 = remote(tmp_path / "l3", pacer=writes)
     put_chain(node(l3, mode="all"), keys_of(2))
-    assert writes == [ENTRY, ENTRY]
-    other = remote(tmp_path / "l3", bandwidth=10**9)
-    reads = charged(other)
+    assert writes.seen == [ENTRY, ENTRY]
+    reads = Charged(10**9)
+    other = remote(tmp_path / "l3", pacer=reads)
     assert node(other).get(keys_of(2)[0]) is not None
-    assert reads == [ENTRY]
+    assert reads.seen == [ENTRY]
     assert CacheConfig(remote_url="file:///x").remote_bandwidth == 0  # no cap by default
