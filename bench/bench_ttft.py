@@ -284,7 +284,7 @@ class Bench:
         root = os.path.join(self.work, "ours-l3")
         local = os.path.join(self.work, "ours-l3-unused")
         kv = peers.ours(os.path.join(self.shm, "ours-l3-unused"), "0", local, "0",
-                        remote_url=f"file://{root}", remote_bandwidth=str(int(self.args.l3_bandwidth)),
+                        shared_url=f"file://{root}", shared_bandwidth=str(int(self.args.l3_bandwidth)),
                         shared_admission="all")
         with self.engine("ours-l3", kv) as e:
             for size in self.sizes:

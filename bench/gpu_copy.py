@@ -117,7 +117,7 @@ def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fe
     others = [b for b in torch.randperm(blocks, generator=rng).tolist() if b not in ids][:16]
     oidx = torch.tensor(others, device=device)
     before = torch.stack([c.index_select(1, oidx) for c in caches.values()]).cpu()
-    copier.scatter(others[4:12], src, first=4)
+    copier.scatter(others[4:12], src, skip_blocks=4)
     after = torch.stack([c.index_select(1, oidx) for c in caches.values()]).cpu()
     results["partial_scatter_exact"] = bool(
         torch.equal(after[:, :, 4:12], src[:, :, 4:12]) and torch.equal(after[:, :, :4], before[:, :, :4])

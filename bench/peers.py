@@ -31,7 +31,7 @@ from typing import Optional
 ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
+def ours(dram_path: str, cpu_size: str, disk_path: str, disk_size: str,
          chunk_tokens: int = 256, **more: str) -> dict:
     """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier);
     ``more``: further settings by their lower-case names without ``kvcache_``."""
@@ -40,7 +40,7 @@ def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
         "kv_connector_module_path": "cache.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "kvcache_cpu_path": cpu_path, "kvcache_cpu_size": cpu_size,
+            "kvcache_dram_path": dram_path, "kvcache_dram_size": cpu_size,
             "kvcache_disk_path": disk_path, "kvcache_disk_size": disk_size,
             "kvcache_chunk_tokens": str(chunk_tokens),
             **{f"kvcache_{k}": v for k, v in more.items()},

@@ -25,6 +25,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+from cache.sizes import human_bytes
+
 _DTYPE_BYTES = {
     "float32": 2,  # served in 16 bits by vLLM's --dtype auto
     "float": 2,
@@ -163,14 +165,6 @@ def load_hf_config(path: str | os.PathLike) -> dict:
         raise FootprintError(f"no config.json at {path!r}") from None
     except json.JSONDecodeError as e:
         raise FootprintError(f"{p} is not valid JSON: {e}") from None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:

@@ -1,11 +1,11 @@
 """TieredStore: longest-prefix lookup over tiers, promote on hit, demote on evict, write-behind.
 
-Engine-agnostic (no vLLM, no torch). One store per process that opens the cache:
-- in the vLLM scheduler, a *lookup-only* store answers ``lookup`` (cheap ``contains``
-  checks, no I/O threads, no policy) and ``probe`` (starts background existence checks
-  on the shared tier);
-- in each vLLM worker, a *writer* store runs ``get``/``get_async`` and ``put``; it owns
-  the I/O threads and one eviction policy per local tier.
+Engine-agnostic (no vLLM, no torch). ``cache.assembly`` builds one store per role:
+- in the vLLM scheduler, a *lookup-only* view per rank answers ``lookup`` (cheap
+  ``contains`` checks, no I/O threads, no policy) and ``probe`` (starts background
+  existence checks on the shared tier);
+- in each vLLM worker (and the tools), a *writer* store runs ``get``/``get_async`` and
+  ``put``; it owns the I/O threads and one eviction policy per local tier.
 
 Local tiers (DRAM, disk) form a hierarchy: writes go to the top, evictions demote down,
 hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
@@ -26,6 +26,12 @@ publisher thread. The policy structures are guarded by one lock, held only for p
 calls (microseconds), never across I/O. Tier failures never escape: they are counted in
 ``stats`` and logged at most once a minute per tier (the shared tier logs its own
 outages, once each).
+
+Callers use the operations below, never the tiers: ``counters``/``levels`` for metrics,
+``note_loaded`` for tokens served, ``recheck_shared``/``reject_shared`` for what the
+scheduler learns, ``describe`` for logs. ``timer``, if set, is called as
+``timer(step, seconds)`` for each tier read (``"read"``) and entry check (``"decode"``)
+of ``get``, on the thread that ran them (benchmarks: ``bench/timed_connector.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
@@ -138,10 +144,12 @@ class TieredStore:
         shared_admission: str = "reused",
         max_publish_bytes: int = 256 << 20,
         thread_setup: Optional[Callable[[str], None]] = None,
+        timer: Optional[Callable[[str, float], None]] = None,
     ) -> None:
         """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
         a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
         of its threads ("read", "write", "publish"; see ``cache.threads``)."""
+        self.timer = timer
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -215,15 +223,20 @@ class TieredStore:
             except Exception as e:  # a tier failing must not fail the request
                 self._failed(tier, "reading", key, e)
                 continue
+            t1 = time.perf_counter()
             try:
                 info, payload = decode(raw, self.namespace, key, self.signing_key)
             except CorruptEntry as e:
                 st.corrupt += 1
                 self._drop_bad(i, key, e)
                 continue
+            t2 = time.perf_counter()
+            if self.timer is not None:
+                self.timer("read", t1 - t0)
+                self.timer("decode", t2 - t1)
             st.hits += 1
             st.bytes_read += len(payload) + HEADER_SIZE
-            st.load_seconds += time.perf_counter() - t0
+            st.load_seconds += t2 - t0
             if self.policies is not None:
                 if i < self.n_local:
                     with self._lock:
@@ -497,6 +510,50 @@ class TieredStore:
         with self._lock:
             for policy in self.policies[: self.n_local]:
                 policy.hint_upcoming(keys)
+
+    # -- what callers need to know -------------------------------------------------
+    @property
+    def has_local(self) -> bool:
+        return self.n_local > 0
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    def note_loaded(self, tier: int, tokens: int) -> None:
+        """``tokens`` prompt tokens were served from tier ``tier`` (an ``Entry.tier``)."""
+        self.stats.tiers[self.tiers[tier].name].tokens_loaded += tokens
+
+    def recheck_shared(self, keys: Sequence[str]) -> None:
+        """``keys`` were just stored by this engine: the shared tier asks about them again."""
+        if self.shared is not None:
+            self.shared.recheck(keys)
+
+    def reject_shared(self, key: str) -> None:
+        """``key`` failed to load from the shared tier: it stops offering it for a while."""
+        if self.shared is not None:
+            self.shared.reject(key)
+
+    def counters(self) -> dict[str, float]:
+        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...}``."""
+        out = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in asdict(st).items()}
+        out["all.dropped_writes"] = self.stats.dropped_writes
+        out["all.dropped_publishes"] = self.stats.dropped_publishes
+        return out
+
+    def levels(self) -> dict[str, int]:
+        """Bytes held and capacity of each bounded tier: ``{"<tier>.used_bytes": n, ...}``."""
+        out = {}
+        for t in self.tiers:
+            if t.capacity is not None:
+                out[f"{t.name}.capacity_bytes"] = t.capacity
+                out[f"{t.name}.used_bytes"] = t.used_bytes()
+        return out
+
+    def describe(self) -> str:
+        """``dram=1,048,576B, disk=..., shared=shared``: the tiers, for a log line."""
+        return ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
+                         for t in self.tiers) or "none"
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:

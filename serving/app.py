@@ -58,11 +58,8 @@ class Gate:
 
 
 def build_metrics(config: ServingConfig) -> ServingMetrics:
-    order: tuple[str, ...] = ()
-    if config.plan is not None:
-        c = config.plan.cache  # the tiers the connector enables, fastest first (cache.assembly.build_tiers)
-        order = tuple(name for name, on in (("dram", c.cpu_bytes), ("disk", c.disk_bytes),
-                                            ("shared", c.remote_url)) if on)
+    # The tiers the connector enables, fastest first (their names label the metrics).
+    order = tuple(t.name for t in config.plan.cache.tiers()) if config.plan is not None else ()
     fp = config.footprint
     return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create())
 

@@ -18,8 +18,10 @@ Engine arguments: ``SM_NUM_GPUS`` -> ``--tensor-parallel-size``; every ``SM_VLLM
 (``OPTION_TENSOR_PARALLEL_DEGREE`` ...). ``SM_VLLM_*`` wins over ``OPTION_*``, both win
 over our defaults.
 
-Pre-warming: ``KVCACHE_WARM_PROMPTS`` (a JSON-lines prompts file, checked here; run by
-``serving.warmup`` before the engine starts).
+Cache: ``cache.config`` reads every ``KVCACHE_*`` variable (the cache on or off, the
+tiers, ``KVCACHE_WARM_PROMPTS``); ``serving.sizing`` resolves the tiers once and the
+result goes to the connector as one value (``cache.vllm.kv_transfer_config``). The
+warm-up runs in ``serving.warmup`` before the engine starts.
 
 HTTP: port, timeouts and payload limit through the ``sagemaker-inference`` toolkit's
 ``Environment`` (``SAGEMAKER_BIND_TO_PORT``, ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
@@ -36,8 +38,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from cache.config import ConfigError
+from cache.config import ConfigError, cache_enabled, warm_prompts
 from cache.footprint import FootprintError, KVFootprint, footprint_from_config, load_hf_config
+from cache.vllm import kv_transfer_config
 from serving.machine import Machine, probe_machine
 from serving.sizing import GiB, TierPlan, plan_tiers, weights_bytes
 
@@ -48,9 +51,6 @@ __all__ = ["ConfigError", "ServingConfig", "build_serving_config"]
 DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
 DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
 DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
-CONNECTOR = {"kv_connector": "TieredKVConnector",
-             "kv_connector_module_path": "cache.vllm.connector",
-             "kv_role": "kv_both"}
 
 # LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
 LMI_ALIASES: dict[str, Optional[str]] = {
@@ -334,50 +334,6 @@ def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Opti
     return max(0, int(total * util) - (weights or 0)) if weights is not None else None
 
 
-# -- pre-warming -------------------------------------------------------------------
-WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
-
-
-def _warm_prompts(env: Mapping[str, str], plan: Optional[TierPlan]) -> Optional[str]:
-    """``KVCACHE_WARM_PROMPTS``, checked now so that a bad file stops start-up before any
-    engine runs: readable, one JSON object per line with one of ``WARM_KEYS``, and a
-    cache that can publish (warming fills the shared tier; ``cache.tools.warm``)."""
-    path = (env.get("KVCACHE_WARM_PROMPTS") or "").strip()
-    if not path:
-        return None
-    name = f"KVCACHE_WARM_PROMPTS={path!r}"
-    if plan is None:
-        raise ConfigError(f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
-                          "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)")
-    if not plan.cache.has_remote:
-        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set "
-                          "KVCACHE_REMOTE_URL too")
-    if plan.cache.shared_admission == "none":
-        raise ConfigError(f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
-                          "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
-    prompts = 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"{name}, line {n}: not JSON ({e})") from None
-                if not isinstance(obj, dict) or not any(k in obj for k in WARM_KEYS):
-                    raise ConfigError(f"{name}, line {n}: each line must be a JSON object with "
-                                      f"one of {', '.join(WARM_KEYS)}")
-                prompts += 1
-    except OSError as e:
-        raise ConfigError(f"{name} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{name} is not UTF-8 text: {e}") from None
-    if not prompts:
-        raise ConfigError(f"{name} holds no prompts")
-    return os.path.abspath(path)
-
-
 # -- the one builder ---------------------------------------------------------------
 def build_serving_config(env: Optional[Mapping[str, str]] = None,
                          machine: Optional[Machine] = None) -> ServingConfig:
@@ -406,7 +362,7 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     if "--tensor-parallel-size" in user:
         tp = _int({"tp": user["--tensor-parallel-size"]}, "tp", tp, minimum=1)
 
-    kvcache = _bool(env, "KVCACHE_ENABLED", True)
+    kvcache = cache_enabled(env)
     if "--kv-transfer-config" in user and kvcache:
         kvcache = False
         notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; "
@@ -432,9 +388,8 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
                           engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
                           engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights),
                           context_tokens=context)
-        args["--kv-transfer-config"] = json.dumps(
-            {**CONNECTOR, "kv_connector_extra_config": plan.connector_extra()})
-    warm_prompts = _warm_prompts(env, plan)
+        args["--kv-transfer-config"] = json.dumps(kv_transfer_config(plan.cache))
+    warm = warm_prompts(env, plan.cache if plan is not None else None)
 
     for flag, value in user.items():  # the user's arguments win over ours
         args[flag] = value
@@ -450,6 +405,6 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
         served_model_name=user.get("--served-model-name", served),
         tensor_parallel_size=tp,
         kvcache_enabled=kvcache,
-        warm_prompts=warm_prompts,
+        warm_prompts=warm,
     )
     return ServingConfig(model, http, engine, plan, footprint, tuple(notes))

@@ -23,7 +23,7 @@ def test_keys_are_stable_chained_and_namespaced():
     changed[10] = 7
     b = chunk_keys(ns().digest, changed, 256)
     assert all(x != y for x, y in zip(a, b))  # a change poisons every later key
-    assert chunk_keys(ns(tp_rank=1).digest, toks, 256)[0] != a[0]
+    assert chunk_keys(ns(rank=1).digest, toks, 256)[0] != a[0]
     assert chunk_keys(ns(model_digest="e").digest, toks, 256)[0] != a[0]
     assert chunk_keys(ns().digest, toks, 256, salt="lora:x")[0] != a[0]
 

@@ -172,8 +172,8 @@ class Server:
 def _serve(env_extra: dict, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_"))}
     env.update({"PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(_free_port()),
-                "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-                "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
+                "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+                "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
     return subprocess.run([sys.executable, "-m", "serving"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -199,8 +199,8 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
     env.update({
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
-        "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-        "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+        "KVCACHE_DRAM_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
         **env_extra,
@@ -248,7 +248,7 @@ def server(tmp_path_factory, model_path):
     (tmp / "l3").mkdir()
     (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
     srv = start_server(tmp, model_path, {
-        "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
+        "KVCACHE_SHARED_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
         "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
     })
     try:
@@ -452,7 +452,7 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
     time.sleep(1.0)
     first = server.post(body).json()  # a DRAM hit: a second use, published to L3
     assert sum(first["kv_transfer_params"]["kvcache_loaded_tokens"].values()) >= 1024
-    other = start_server(tmp_path, model_path, {"KVCACHE_REMOTE_URL": f"file://{server.tiers}/l3/kv"})
+    other = start_server(tmp_path, model_path, {"KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
     try:
         second = other.post(body).json()
     finally:

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from cache.config import ConfigError, build_cache_config
+from cache.config import CacheConfig, ConfigError, build_cache_config, config_from_connector
 from serving import config as serving_config
 from serving.config import DEFAULT_PAYLOAD_BYTES, build_serving_config
 from serving.machine import Gpu, Machine
@@ -35,7 +35,7 @@ def model_dir(tmp_path):
 def env(tmp_path, model_dir):
     """A SageMaker-like environment with every folder under tmp_path."""
     return {"HF_MODEL_ID": str(model_dir), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-            "KVCACHE_CPU_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+            "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
 
 
 def args_of(cfg) -> dict:
@@ -54,6 +54,11 @@ def args_of(cfg) -> dict:
 
 def connector_extra(cfg) -> dict:
     return json.loads(args_of(cfg)["--kv-transfer-config"])["kv_connector_extra_config"]
+
+
+def connector_config(cfg, env=None) -> CacheConfig:
+    """The configuration the connector reads back from the engine arguments."""
+    return config_from_connector(connector_extra(cfg), env or {})
 
 
 # -- model -------------------------------------------------------------------------
@@ -136,17 +141,17 @@ def test_lmi_option_names(env):
 
 
 def test_connector_config_carries_resolved_sizes_not_the_secret(env):
-    cfg = build_serving_config({**env, "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB",
+    cfg = build_serving_config({**env, "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB",
                                 "KVCACHE_SIGNING_KEY": "s3cret", "KVCACHE_CHUNK_TOKENS": "512"}, CPU_BOX)
     tc = json.loads(args_of(cfg)["--kv-transfer-config"])
     assert tc["kv_connector"] == "TieredKVConnector"
     assert tc["kv_connector_module_path"] == "cache.vllm.connector" and tc["kv_role"] == "kv_both"
-    extra = tc["kv_connector_extra_config"]
-    assert extra["kvcache_cpu_size"] == str(64 * 2**20) and extra["kvcache_disk_size"] == str(2**30)
-    assert extra["kvcache_chunk_tokens"] == "512"
+    sent = connector_config(cfg)
+    assert sent.dram_bytes == 64 * 2**20 and sent.disk_bytes == 2**30 and sent.chunk_tokens == 512
     assert "s3cret" not in " ".join(cfg.engine.vllm_args) and "s3cret" not in cfg.describe()
-    # The connector, which parses the same keys, gets the same answer as the plan.
-    assert build_cache_config({}, extra).cpu_bytes == cfg.plan.cache.cpu_bytes
+    # The connector reads back exactly the plan's configuration (its signing key from the
+    # environment the engine processes inherit).
+    assert connector_config(cfg, {"KVCACHE_SIGNING_KEY": "s3cret"}) == cfg.plan.cache
     # Tier counters reach /metrics through the connector's own stats: no worker extension.
     assert "--worker-extension-cls" not in args_of(cfg)
 
@@ -162,14 +167,13 @@ def test_cache_off(env):
 
 # -- shared tier admission, pre-warming ----------------------------------------------
 def test_shared_admission_one_setting_passed_to_the_connector(env, tmp_path):
-    l3 = {**env, "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3"}
+    l3 = {**env, "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3"}
     assert build_cache_config(l3).shared_admission == "reused"  # the default
     cfg = build_serving_config({**l3, "KVCACHE_SHARED_ADMISSION": "all"}, CPU_BOX)
     assert cfg.plan.cache.shared_admission == "all"
-    assert connector_extra(cfg)["kvcache_shared_admission"] == "all"
-    assert build_cache_config({}, connector_extra(cfg)).shared_admission == "all"  # the connector agrees
+    assert connector_config(cfg).shared_admission == "all"  # the connector agrees
     assert "publishes: all" in cfg.describe()
-    assert build_cache_config({}, {"kvcache_shared_admission": "none"}).shared_admission == "none"
+    assert build_cache_config({**l3, "KVCACHE_SHARED_ADMISSION": "none"}).shared_admission == "none"
     with pytest.raises(ConfigError, match="KVCACHE_SHARED_ADMISSION='sometimes' is unknown; "
                                           "choose one of reused, all, none"):
         build_serving_config({**l3, "KVCACHE_SHARED_ADMISSION": "sometimes"}, CPU_BOX)
@@ -181,7 +185,7 @@ def warm_env(env, tmp_path):
     prompts.write_text('{"prompt": "You are a helpful assistant."}\n\n'
                        '{"prompt_token_ids": [1, 2, 3]}\n'
                        '{"messages": [{"role": "system", "content": "Be brief."}]}\n')
-    return {**env, "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3", "KVCACHE_WARM_PROMPTS": str(prompts)}
+    return {**env, "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3", "KVCACHE_WARM_PROMPTS": str(prompts)}
 
 
 def test_warm_prompts_checked_at_configuration(warm_env, tmp_path):
@@ -200,7 +204,7 @@ def test_warm_prompts_checked_at_configuration(warm_env, tmp_path):
 
 @pytest.mark.parametrize("change,words", [
     ({"KVCACHE_WARM_PROMPTS": "/no/such/prompts.jsonl"}, "cannot be read"),
-    ({"KVCACHE_REMOTE_URL": ""}, "set KVCACHE_REMOTE_URL"),
+    ({"KVCACHE_SHARED_URL": ""}, "set KVCACHE_SHARED_URL"),
     ({"KVCACHE_SHARED_ADMISSION": "none"}, "KVCACHE_SHARED_ADMISSION=none publishes nothing"),
     ({"KVCACHE_ENABLED": "false"}, "needs the tiered cache"),
 ])
@@ -221,35 +225,35 @@ def test_engine_cpu_kv_pool_default_only_without_gpu(env):
 # -- tier sizing -----------------------------------------------------------------
 def test_dram_default_is_a_share_of_ram(env):
     cfg = build_serving_config(env, Machine(ram_bytes=16 * GiB, cpus=8))
-    assert cfg.plan.cache.cpu_bytes == int(16 * GiB * 0.2)
-    assert cfg.plan.tokens(cfg.plan.cache.cpu_bytes) == int(16 * GiB * 0.2) // KV_8B
+    assert cfg.plan.cache.dram_bytes == int(16 * GiB * 0.2)
+    assert cfg.plan.tokens(cfg.plan.cache.dram_bytes) == int(16 * GiB * 0.2) // KV_8B
     assert cfg.plan.cache.disk_bytes > 0  # half the free space under the disk folder
 
 
 def test_dram_default_leaves_room_for_weights_and_engine(env):
     box = Machine(ram_bytes=6 * GiB, cpus=2)  # 20% = 1.2 GiB; 6 - 1 (engine KV) - 4 (margin) = ~1 GiB
     cfg = build_serving_config(env, box)
-    assert cfg.plan.cache.cpu_bytes == 6 * GiB - 4096 - 1 * GiB - DRAM_MARGIN
+    assert cfg.plan.cache.dram_bytes == 6 * GiB - 4096 - 1 * GiB - DRAM_MARGIN
     assert any("RAM left" in n for n in cfg.plan.notes)
 
 
 def test_user_sizes_win_and_bad_sizes_are_named(env):
-    cfg = build_serving_config({**env, "KVCACHE_CPU_SIZE": "0"}, CPU_BOX)
-    assert cfg.plan.cache.cpu_bytes == 0
-    with pytest.raises(ConfigError, match="KVCACHE_CPU_SIZE"):
-        build_serving_config({**env, "KVCACHE_CPU_SIZE": "lots"}, CPU_BOX)
+    cfg = build_serving_config({**env, "KVCACHE_DRAM_SIZE": "0"}, CPU_BOX)
+    assert cfg.plan.cache.dram_bytes == 0
+    with pytest.raises(ConfigError, match="KVCACHE_DRAM_SIZE"):
+        build_serving_config({**env, "KVCACHE_DRAM_SIZE": "lots"}, CPU_BOX)
     with pytest.raises(ConfigError, match="KVCACHE_DISK_SIZE"):
         build_serving_config({**env, "KVCACHE_DISK_SIZE": "999TB"}, CPU_BOX)
 
 
 def test_plan_block_is_readable(env):
-    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_CPU_SIZE": "1GiB",
+    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_DRAM_SIZE": "1GiB",
                                 "KVCACHE_DISK_SIZE": "2GiB"}, CPU_BOX)
     text = cfg.describe()
     assert "131,072 bytes (128.0 KiB) per token" in text
-    assert "L1 DRAM" in text and "~8,192 tokens = 1 full-length requests" in text
+    assert "L1 dram" in text and "~8,192 tokens = 1 full-length requests" in text
     assert "L2 disk" in text and "~16,384 tokens = 2 full-length requests" in text
-    assert "L3 remote off" in " ".join(text.split())
+    assert "L3 shared off" in " ".join(text.split())
 
 
 # -- HTTP settings from the toolkit ---------------------------------------------

@@ -5,9 +5,10 @@ tier (L3), so every endpoint of the model starts warm.
 
 ``PROMPTS.jsonl`` holds one JSON object per line with ``"prompt"`` (text),
 ``"prompt_token_ids"`` (a list of ints) or ``"messages"`` (a chat, rendered with the
-model's chat template and the generation prompt, as the chat route renders it). Cache
-settings come from the ``KVCACHE_*`` environment, as for serving; ``KVCACHE_REMOTE_URL``
-must name the shared tier.
+model's chat template and the generation prompt, as the chat route renders it); it is
+read by ``cache.config.read_prompt_file``, the server's start-up check. Cache settings
+come from the ``KVCACHE_*`` environment, as for serving (or, from the server, the
+connector configuration it resolved); ``KVCACHE_SHARED_URL`` must name the shared tier.
 
 How: a vLLM engine with ``TieredKVConnector`` runs each batch of prompts twice with
 ``max_tokens=1``. The first pass computes the chunks and stores them in the local tiers;
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from cache.config import ConfigError, build_cache_config
+from cache.config import ConfigError, config_from_connector, read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,17 @@ class WarmReport:
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
     """Token ids of every prompt in the JSON-lines file ``path``."""
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                prompts.append(prompt_tokens(obj, tokenizer))
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-    return prompts
+    return tokenize(path, read_prompt_file(path), tokenizer)
+
+
+def tokenize(path: str, prompts: list[dict], tokenizer) -> list[list[int]]:
+    out = []
+    for n, obj in enumerate(prompts, 1):
+        try:
+            out.append(prompt_tokens(obj, tokenizer))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{path!r}, prompt {n}: {e}") from None
+    return out
 
 
 def prompt_tokens(obj: dict, tokenizer) -> list[int]:
@@ -107,21 +108,23 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
          cache: Optional[dict[str, Any]] = None, **engine_args) -> WarmReport:
     """Publish the KV of the prompts in ``prompts_path`` to the shared tier.
 
-    ``cache``: ``kvcache_*`` settings (override the ``KVCACHE_*`` environment);
-    ``engine_args``: more ``vllm.LLM`` arguments (``max_model_len``, ``dtype`` ...).
-    Raises ``ConfigError`` when no shared tier is configured."""
-    config = build_cache_config(extra=cache or {})
-    if not config.has_remote:
-        raise ConfigError("warming needs a shared tier: set KVCACHE_REMOTE_URL")
+    ``cache``: the connector's ``kv_connector_extra_config`` (the configuration the server
+    resolved), or None: the ``KVCACHE_*`` environment; ``engine_args``: more ``vllm.LLM``
+    arguments (``max_model_len``, ``dtype`` ...). Raises ``ConfigError`` when no shared
+    tier is configured or the prompts file is bad."""
+    config = config_from_connector(cache or {})
+    if not config.has_shared:
+        raise ConfigError("warming needs a shared tier: set KVCACHE_SHARED_URL")
+    objs = read_prompt_file(prompts_path)  # before an engine starts
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="TieredKVConnector",
-                                kv_connector_module_path="cache.vllm.connector",
-                                kv_role="kv_both", kv_connector_extra_config=dict(cache or {}))
+    from cache.vllm import kv_transfer_config
+
+    transfer = KVTransferConfig(**kv_transfer_config(config))
     llm = LLM(model, kv_transfer_config=transfer, enable_prefix_caching=True, **engine_args)
     try:
-        prompts = read_prompts(prompts_path, llm.get_tokenizer())
+        prompts = tokenize(prompts_path, objs, llm.get_tokenizer())
         report = warm_engine(llm, prompts, batch_size)
     finally:
         shutdown_engine(llm)
@@ -130,7 +133,7 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
              "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("shared", 0))
     if report.prompts and not report.reloaded:
         log.warning("kvcache: warm-up reloaded nothing: are the local tiers large enough for one "
-                    "batch (KVCACHE_CPU_SIZE, KVCACHE_DISK_SIZE, --batch)?")
+                    "batch (KVCACHE_DRAM_SIZE, KVCACHE_DISK_SIZE, --batch)?")
     return report
 
 

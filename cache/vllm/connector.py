@@ -8,9 +8,12 @@ Load it with::
 
 vLLM builds one instance with the scheduler role (engine-core process) and one per
 worker. This file is thin: each call goes to ``SchedulerSide`` or ``WorkerSide``.
-Settings come from ``kv_connector_extra_config`` (``kvcache_cpu_size`` ...) or the
-``KVCACHE_*`` environment (``cache.config.build_cache_config``); a bad setting stops
-start-up with one ``ConfigError`` message.
+
+Configuration: the one serialized value the server resolved (``kvcache_config`` in
+``kv_connector_extra_config``; ``cache.config.connector_extra``), read back as it is.
+Under plain ``vllm serve`` without it, each process builds the configuration from its
+``KVCACHE_*`` environment (``cache.config.build_cache_config``). Either way a bad setting
+stops start-up with one ``ConfigError`` message naming the variable.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from cache.config import build_cache_config, check_block_size
+from cache.assembly import validate
+from cache.config import check_block_size, config_from_connector
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace
 
@@ -45,7 +49,10 @@ class TieredKVConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        config = build_cache_config(extra=transfer.kv_connector_extra_config or {})
+        config = config_from_connector(transfer.kv_connector_extra_config or {})
+        validate(config)  # a plain `vllm serve` had no start-up check of these
+        for note in config.notes:  # (built from the environment here: said once per process)
+            log.warning("kvcache: %s", note)
         block_size = vllm_config.cache_config.block_size
         check_block_size(config, block_size)
         parallel = vllm_config.parallel_config
@@ -61,15 +68,16 @@ class TieredKVConnector(KVConnectorBase_V1):
                           for r in range(world)]
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager)
-            log.info("kvcache: chunk %d tokens (%d-token blocks); DRAM %s (%s bytes), "
+            log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
-                     config.cpu_path, f"{config.cpu_bytes:,}", config.disk_path,
-                     f"{config.disk_bytes:,}", config.remote_url or "off", config.policy)
+                     config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
+                     f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
             from cache.vllm.worker import WorkerSide
 
+            # This worker's parallel rank: tensor-parallel rank within its pipeline stage.
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size)

@@ -21,14 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class ChunkIO:
     """One chunk to load or save: its key, its parent key, and the KV blocks it covers.
 
-    ``first`` is the number of the chunk's leading blocks to skip (already computed
-    by vLLM's own prefix cache); ``block_ids`` are the blocks after those.
+    ``skip_blocks``: how many of the chunk's leading blocks to leave alone (vLLM's own
+    prefix cache computed them); ``block_ids`` are the blocks after those.
     """
 
     key: str
     parent: Optional[str]
     block_ids: list[int]
-    first: int = 0
+    skip_blocks: int = 0
 
 
 @dataclass

@@ -13,15 +13,12 @@ their tiers' folders).
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-
-from cache.store import StoreStats
 
 LEVELS = ("used_bytes", "capacity_bytes")
 
@@ -71,10 +68,9 @@ class StatsDelta:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
 
-    def take(self, stats: StoreStats, levels: dict[str, float]) -> Optional[TieredKVStats]:
-        now = {f"{tier}.{k}": v for tier, st in stats.tiers.items() for k, v in asdict(st).items()}
-        now["all.dropped_writes"] = stats.dropped_writes
-        now["all.dropped_publishes"] = stats.dropped_publishes
+    def take(self, now: dict[str, float], levels: dict[str, float]) -> Optional[TieredKVStats]:
+        """``now``: the store's running totals (``TieredStore.counters``); ``levels``: its
+        usage (``TieredStore.levels``), passed through as they are."""
         delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         if not delta:

@@ -13,6 +13,7 @@ from cache.keys import Namespace
 
 
 def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int) -> Namespace:
+    """The namespace of parallel rank ``rank`` (tensor x pipeline) of this engine."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     groups = kv_cache_config.kv_cache_groups
@@ -31,7 +32,7 @@ def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int)
         model_digest=digest.hexdigest(),
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
         kv_layout=repr(groups[0].kv_cache_spec),
-        tp_rank=rank,
-        tp_size=world,
+        rank=rank,
+        world_size=world,
         chunk_tokens=chunk_tokens,
     )

@@ -35,11 +35,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from cache.assembly import lookup_view
 from cache.config import CacheConfig
-from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.keys import Namespace, chunk_keys
-from cache.store import TieredStore
-from cache.assembly import build_tiers
+from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -99,11 +98,16 @@ class SchedulerSide:
         self.chunk = config.chunk_tokens
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
-        self.views = [TieredStore(build_tiers(config, ns.id), ns.digest) for ns in namespaces]
+        self.views = [lookup_view(config, ns) for ns in namespaces]
+        # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
+        # tiers load before the forward pass (the others load on worker threads).
+        specs = config.tiers()
+        self.tier_names = [t.name for t in specs]
+        self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
-        self.lookup_wait = min(config.remote_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.remote_url else 0.0
+        self.lookup_wait = min(config.shared_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.has_shared else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
@@ -167,16 +171,14 @@ class SchedulerSide:
             return 0, False
         self._upcoming.update(dict.fromkeys(c.key for c in st.chunks[:found]))
         needed = [i for i in range(found) if st.chunks[i].end > num_computed_tokens]
-        # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
-        # shared tier even when it is the only one, load on worker threads.
-        first = self.views[0].tiers[0] if self.views[0].n_local else None
-        sync_tier = 0 if first is not None and first.name == "dram" else -1
-        asynchronous = any(tiers[i] != sync_tier for i in needed)
-        names = [t.name for t in self.views[0].tiers]
+        # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
+        # chunk from another tier makes the whole load asynchronous (worker threads).
+        asynchronous = any(tiers[i] not in self.sync_tiers for i in needed)
         st.planned = {}
         for i in needed:
             n = min(st.chunks[i].end, hit_end) - max(st.chunks[i].start, num_computed_tokens)
-            st.planned[names[tiers[i]]] = st.planned.get(names[tiers[i]], 0) + n
+            name = self.tier_names[tiers[i]]
+            st.planned[name] = st.planned.get(name, 0) + n
         chunks = [ChunkIO(st.chunks[i].key, st.chunks[i].parent, [],
                           max(0, num_computed_tokens - st.chunks[i].start) // self.block_size)
                   for i in needed]
@@ -210,8 +212,7 @@ class SchedulerSide:
         """Workers settled these saves (one entry per rank). A shared tier's view asks
         about them again (this engine may just have published them)."""
         for view in self.views:
-            if view.shared is not None:
-                view.shared.recheck(keys)
+            view.recheck_shared(keys)
         for key in keys:
             pending = self._saving.get(key)
             if pending is not None:
@@ -232,7 +233,7 @@ class SchedulerSide:
         for chunk in load.chunks:
             c = by_key[chunk.key]
             end = min(c.end, st.n_tokens - 1)  # the last token is computed, not loaded
-            chunk.block_ids = list(block_ids[c.start // b + chunk.first: -(-end // b)])
+            chunk.block_ids = list(block_ids[c.start // b + chunk.skip_blocks: -(-end // b)])
         self._loads.append(load)
         st.issued.extend(load.chunks)
 
@@ -254,7 +255,7 @@ class SchedulerSide:
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
                 c = st.chunks[st.next_save]
                 st.next_save += 1
-                if c.key in self._saving or all(v.lookup([c.key], local_only=v.n_local > 0) for v in self.views):
+                if c.key in self._saving or all(v.lookup([c.key], local_only=v.has_local) for v in self.views):
                     continue  # being saved, or stored (by us, another engine, an earlier turn)
                 if block_ids is None:
                     block_ids = self._kv_manager().get_block_ids(req_id)[0]
@@ -273,8 +274,7 @@ class SchedulerSide:
             if bad is None:
                 continue
             for view in self.views:
-                if view.shared is not None:
-                    view.shared.reject(bad.key)
+                view.reject_shared(bad.key)
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""
