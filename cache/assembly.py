@@ -21,7 +21,8 @@ from typing import Callable, Optional
 from cache.config import CacheConfig, ConfigError
 from cache.keys import Namespace
 from cache.policy import POLICIES, make_policy
-from cache.store import SharedAdmission, TieredStore
+from cache.admission import SharedAdmission
+from cache.store import TieredStore
 from cache.tiers.base import Tier
 from cache.tiers.files import FileTier
 from cache.tiers.resilience import Pacer

@@ -25,8 +25,8 @@ the shared URL's filesystem are checked by ``cache.assembly.validate``, where th
 
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
-an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes`` and
-``cache.tiers.layout``.
+an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``, ``cache.prompts``
+and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from cache.prompts import read_prompt_file
 from cache.sizes import ConfigError, check_writable, human_bytes, memory_limit, parse_size, room_for_tier
 
 __all__ = ["CacheConfig", "ConfigError", "TierSpec", "build_cache_config", "cache_enabled",
@@ -111,7 +112,7 @@ class CacheConfig:
     # Cap on this process's shared-tier transfer rate, bytes per second (0: none): keeps
     # the cache's share of the node's network bounded (and emulates a link in benchmarks).
     shared_bandwidth: int = 0
-    # What the store publishes to the shared tier (cache.store.SharedAdmission): "reused"
+    # What the store publishes to the shared tier (cache.admission.SharedAdmission): "reused"
     # (a chunk used a second time), "all" (every chunk stored), "none" (only read).
     shared_admission: str = "reused"
     # Eviction/admission policy name (cache.policy.POLICIES; a test keeps this default
@@ -142,20 +143,23 @@ class CacheConfig:
                                   mapped=False, last_local=False, shared=True))
         return tuple(specs)
 
-    def to_json(self) -> str:
-        """The serialized value the connector receives, without the signing key."""
+    def to_dict(self) -> dict[str, Any]:
+        """The serialized value the connector receives (plain JSON types), without the
+        signing key."""
         data = asdict(self)
         for private in ("signing_key", "notes"):
             data.pop(private)
-        return json.dumps(data, sort_keys=True)
+        data["curvine_masters"] = list(self.curvine_masters)
+        return data
 
     @classmethod
-    def from_json(cls, text: str, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
-        """A config serialized by ``to_json``; the signing key comes from ``env``."""
+    def from_dict(cls, value: Any, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
+        """A config serialized by ``to_dict`` (or that as a JSON string); the signing key
+        comes from ``env``."""
         try:
-            data = json.loads(text) if isinstance(text, str) else dict(text)
+            data = json.loads(value) if isinstance(value, str) else dict(value)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{CONNECTOR_KEY} in kv_connector_extra_config is not JSON: {e}") from None
+            raise ConfigError(f"{CONNECTOR_KEY} in kv_connector_extra_config is not a JSON object: {e}") from None
         known = {f.name for f in fields(cls)} - {"signing_key", "notes"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -165,9 +169,9 @@ class CacheConfig:
         return cls(**data, signing_key=key)
 
 
-def connector_extra(config: CacheConfig) -> dict[str, str]:
+def connector_extra(config: CacheConfig) -> dict[str, Any]:
     """``kv_connector_extra_config`` for the connector: the one serialized value."""
-    return {CONNECTOR_KEY: config.to_json()}
+    return {CONNECTOR_KEY: config.to_dict()}
 
 
 def config_from_connector(extra: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> CacheConfig:
@@ -175,7 +179,7 @@ def config_from_connector(extra: Mapping[str, Any], env: Optional[Mapping[str, s
     (plain ``vllm serve``) the environment of this process."""
     value = (extra or {}).get(CONNECTOR_KEY)
     if value is not None:
-        return CacheConfig.from_json(value, env)
+        return CacheConfig.from_dict(value, env)
     stray = sorted(k for k in (extra or {}) if k.lower().startswith("kvcache_"))
     if stray:
         raise ConfigError(f"kv_connector_extra_config keys {stray} are not read: set the KVCACHE_* "
@@ -345,7 +349,6 @@ def check_block_size(config: CacheConfig, block_size: int) -> None:
 
 
 # -- start-up settings: the cache on or off, pre-warming ----------------------------------
-WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
 
 
 def cache_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
@@ -374,35 +377,3 @@ def warm_prompts(env: Optional[Mapping[str, str]] = None,
                           "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
     read_prompt_file(path, name)
     return os.path.abspath(path)
-
-
-def read_prompt_file(path: str, source: Optional[str] = None) -> list[dict]:
-    """The prompts of a JSON-lines file: one object per line with ``prompt`` (text),
-    ``prompt_token_ids`` (a list of ints) or ``messages`` (a chat). Raises ``ConfigError``
-    naming ``source`` (default: the path) and the line."""
-    source = source or repr(path)
-    prompts = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"{source}, line {n}: not JSON ({e})") from None
-                if not isinstance(obj, dict) or not any(k in obj for k in WARM_KEYS):
-                    raise ConfigError(f"{source}, line {n}: each line must be a JSON object with "
-                                      f"one of {', '.join(WARM_KEYS)}")
-                ids = obj.get("prompt_token_ids")
-                if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-                    raise ConfigError(f"{source}, line {n}: prompt_token_ids must be a list of integers")
-                prompts.append(obj)
-    except OSError as e:
-        raise ConfigError(f"{source} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{source} is not UTF-8 text: {e}") from None
-    if not prompts:
-        raise ConfigError(f"{source} holds no prompts")
-    return prompts
-

@@ -76,3 +76,9 @@ def test_signing():
     unsigned, _ = entry()
     with pytest.raises(CorruptEntry):
         decode(unsigned, ns().digest, "ab" * 16, b"secret")
+
+
+def test_namespace_ids_stay_what_they_were():
+    """Entries already stored (disk, the shared tier) stay reachable: the namespace digest
+    of a given configuration never changes, field renames included."""
+    assert Namespace("m", "d", "bf16", "x", rank=1, world_size=2).id == "6d06028380c8f86b4121a187d72cf3b9"

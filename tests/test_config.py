@@ -94,7 +94,7 @@ def test_the_connector_gets_the_resolved_config_without_the_signing_key(tmp_path
                                  KVCACHE_SHARED_URL=f"file://{tmp_path}/l3", KVCACHE_SHARED_BANDWIDTH="1GB"))
     extra = connector_extra(cfg)
     assert list(extra) == ["kvcache_config"] and "s3cret" not in json.dumps(extra)
-    data = json.loads(extra["kvcache_config"])
+    data = json.loads(json.dumps(extra))["kvcache_config"]  # plain JSON, as vLLM passes it on
     assert data["dram_bytes"] == cfg.dram_bytes > 0 and data["shared_bandwidth"] == 10**9  # bytes, resolved
     # a worker reads it back as it is (nothing re-derived), the key from its environment
     assert config_from_connector(extra, {"KVCACHE_SIGNING_KEY": "s3cret"}) == cfg
@@ -104,7 +104,8 @@ def test_the_connector_gets_the_resolved_config_without_the_signing_key(tmp_path
     with pytest.raises(ConfigError, match="kvcache_dram_size.*KVCACHE_"):
         config_from_connector({"kvcache_dram_size": "1GiB"}, env(tmp_path))
     with pytest.raises(ConfigError, match="does not know"):
-        config_from_connector({"kvcache_config": json.dumps({**data, "surprise": 1})}, {})
+        config_from_connector({"kvcache_config": {**data, "surprise": 1}}, {})
+    assert config_from_connector({"kvcache_config": json.dumps(data)}, {"KVCACHE_SIGNING_KEY": "s3cret"}) == cfg
 
 
 def test_tier_roles_come_from_the_configuration(tmp_path):

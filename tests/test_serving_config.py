@@ -324,3 +324,30 @@ def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
     assert engine_args["served_model_name"] == [warm_env["HF_MODEL_ID"]]
     # warm() sets these itself (its connector, prefix caching on); vllm.LLM takes the rest
     assert not {"model", "kv_transfer_config", "enable_prefix_caching"} & set(engine_args)
+
+
+# -- the shared tier's URL is checked by the server, before any engine ----------------
+@pytest.mark.parametrize("url,words", [
+    ("nope://x", "not a URL fsspec knows"),
+    ("curvine:///kv", "needs Curvine's Python SDK"),     # no SDK installed here
+    ("file:///no/such/mount/kv", "mounted there"),
+])
+def test_a_bad_shared_url_is_a_configuration_error(env, url, words):
+    with pytest.raises(ConfigError, match=f"KVCACHE_SHARED_URL={url!r}.*{words}"):
+        build_serving_config({**env, "KVCACHE_SHARED_URL": url, "KVCACHE_CURVINE_MASTERS": "cv-0:8995"}, CPU_BOX)
+
+
+def test_the_server_exits_2_on_a_bad_shared_url(env):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHE_", "SAGEMAKER_", "SM_"))}
+    run_env.update(env, KVCACHE_SHARED_URL="curvine:///kv", KVCACHE_CURVINE_MASTERS="cv-0:8995",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    run = subprocess.run([sys.executable, "-m", "serving", "--print-config"], env=run_env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "configuration error: KVCACHE_SHARED_URL='curvine:///kv' needs Curvine's Python SDK" in run.stderr

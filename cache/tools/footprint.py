@@ -2,7 +2,7 @@
 size hold::
 
     python -m cache.tools.footprint MODEL_DIR_OR_CONFIG_JSON --context 131072 \\
-        [--cpu-size 64GiB] [--disk-size 2TB] [--kv-dtype fp8] [--json]
+        [--dram-size 64GiB] [--disk-size 2TB] [--shared-size 10TB] [--kv-dtype fp8] [--json]
 
 Offline arithmetic over ``cache.footprint`` (no torch, no vLLM); prints text or JSON.
 """
@@ -14,27 +14,27 @@ import json
 import sys
 from typing import Optional
 
-from cache.footprint import FootprintError, footprint_from_config, human_bytes, load_hf_config, report
+from cache.config import ConfigError, parse_size
+from cache.footprint import FootprintError, footprint_from_config, load_hf_config, report
+from cache.sizes import human_bytes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from cache.config import ConfigError, parse_size
-
     p = argparse.ArgumentParser(prog="python -m cache.tools.footprint",
                                 description="KV cache bytes per token and per request of a model.")
     p.add_argument("model", help="model folder or config.json file")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--kv-dtype", default=None, help="vLLM --kv-cache-dtype (auto, fp8, ...)")
-    for tier in ("cpu", "disk", "remote"):
-        p.add_argument(f"--{tier}-size", default=None, help=f"{tier} tier size, e.g. 64GiB, 2TB")
+    for tier, old in (("dram", "cpu"), ("disk", None), ("shared", "remote")):
+        p.add_argument(f"--{tier}-size", *([f"--{old}-size"] if old else []), dest=tier, default=None,
+                       help=f"{tier} tier size, e.g. 64GiB, 2TB" + (f" (old name --{old}-size)" if old else ""))
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
     try:
         fp = footprint_from_config(load_hf_config(args.model), args.kv_dtype)
-        tiers = {name: parse_size(text, None, f"--{name}-size")
-                 for name, text in (("cpu", args.cpu_size), ("disk", args.disk_size),
-                                    ("remote", args.remote_size)) if text}
+        tiers = {name: parse_size(getattr(args, name), None, f"--{name}-size")
+                 for name in ("dram", "disk", "shared") if getattr(args, name)}
     except (FootprintError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
