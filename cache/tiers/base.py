@@ -6,7 +6,7 @@ inside one namespace. It knows nothing of tensors, policies or other tiers: the
 
 Where tier methods run and what may block:
 - ``contains`` is called on the vLLM scheduler's lookup path: it must be cheap (a stat,
-  a dict lookup) and may be stale; a tier that cannot answer quickly (a remote one)
+  a dict lookup) and may be stale; a tier that cannot answer quickly (the shared one)
   answers from what it last saw and learns in the background.
 - ``read``, ``write``, ``delete``, ``reserve`` may block (disk, network): the store calls
   them from its I/O threads, never from the scheduler loop.

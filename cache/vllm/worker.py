@@ -3,7 +3,7 @@
 Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker).
 - ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
-  asynchronous (disk, remote) go to the store's read threads and are reported through
+  asynchronous (disk, shared) go to the store's read threads and are reported through
   ``get_finished`` when their blocks are filled.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
