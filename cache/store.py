@@ -7,8 +7,8 @@ Engine-agnostic (no vLLM, no torch). ``cache.assembly`` builds one store per rol
 - in each vLLM worker (and the tools), a *writer* store runs ``get``/``get_async`` and
   ``put``; it owns the I/O threads and one eviction policy per local tier.
 
-Local tiers (DRAM, disk) form a hierarchy: writes go to the top, evictions demote down,
-hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
+Local tiers (DRAM, disk) form a hierarchy: writes go to the top (the first tier that
+can hold the entry at all), evictions demote down, hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
 one, last) is not part of that hierarchy: its space is the backend's, nothing is evicted
 from it, and chunks are *published* to it by ``SharedAdmission``: by default a chunk
 used a second time (hit in a local tier, computed again, or evicted after a hit), or one
@@ -203,8 +203,9 @@ class TieredStore:
                         reused = self.admission.on_hit(key)
                     if reused:
                         self._publish(key, [raw])
-                if promote and i > 0 and self.n_local:
-                    self._submit(self._promote, key, raw, info.parent)
+                top = self._top_for(HEADER_SIZE + payload.nbytes) if promote else None
+                if top is not None and top < i:
+                    self._submit(self._promote, top, key, raw, info.parent)
             return Entry(key, info, payload, i, raw)
         if self.tiers:
             self.stats.tiers[self.tiers[0].name].misses += 1
@@ -276,8 +277,9 @@ class TieredStore:
             ready()
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
         local = self.tiers[: self.n_local]
-        if local and not any(t.contains(key) for t in local):
-            self._store(0, key, parent, [header, payload])
+        top = self._top_for(len(header) + memoryview(payload).nbytes)
+        if top is not None and not any(t.contains(key) for t in local):
+            self._store(top, key, parent, [header, payload])
         with self._lock:
             admitted = self.admission.on_put(key)
         if shared or admitted or not local:
@@ -375,10 +377,19 @@ class TieredStore:
         self._forget(i, key)
         tier.delete(key)
 
-    def _promote(self, key, raw, parent) -> None:
-        if not self.tiers[0].contains(key):
-            self._store(0, key, parent, [raw])
-            self.stats.tiers[self.tiers[0].name].promotions += 1
+    def _top_for(self, nbytes: int) -> Optional[int]:
+        """The first local tier that can hold an entry of ``nbytes`` at all: new entries
+        and promotions go there (a DRAM tier smaller than one entry is passed over)."""
+        for i in range(self.n_local):
+            capacity = self.tiers[i].capacity
+            if capacity is None or nbytes <= capacity:
+                return i
+        return None
+
+    def _promote(self, top, key, raw, parent) -> None:
+        if not self.tiers[top].contains(key):
+            self._store(top, key, parent, [raw])
+            self.stats.tiers[self.tiers[top].name].promotions += 1
 
     def _store(self, i: int, key: str, parent: Optional[str], parts: list) -> bool:
         """Write into local tier ``i`` if its policy admits it, evicting (and demoting)
