@@ -25,8 +25,8 @@ the shared URL's filesystem are checked by ``cache.assembly.validate``, where th
 
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
-an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``, ``cache.prompts``
-and ``cache.tiers.layout``.
+an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``, ``cache.dram``,
+``cache.prompts`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
@@ -37,21 +37,17 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, GiB, dram_tier
 from cache.prompts import read_prompt_file
-from cache.sizes import ConfigError, check_writable, human_bytes, memory_limit, parse_size, room_for_tier
+from cache.sizes import ConfigError, check_writable, memory_limit, parse_size, room_for_tier
 
-__all__ = ["CacheConfig", "ConfigError", "TierSpec", "build_cache_config", "cache_enabled",
+__all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config", "cache_enabled",
            "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
            "parse_size", "read_prompt_file", "warm_prompts"]
 
-GiB = 1 << 30
-DEFAULT_DRAM_PATH = "/dev/shm/kvcache"
 DEFAULT_DISK_PATH = "/tmp/kvcache"
-DRAM_SHARE = 0.20          # default L1 size: share of the RAM the container may use ...
-DRAM_MARGIN = 4 * GiB      # ... leaving this much (server, tokenizer, Python heaps) beyond
-                           # the model weights and vLLM's CPU KV pool
 DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
-SMALL_SHM = 1 * GiB        # a DRAM folder with less free space is probably Docker's 64 MiB /dev/shm
+ENTRY_OVERHEAD = 256       # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
 CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
 CONNECTOR_KEY = "kvcache_config"  # the one key of kv_connector_extra_config we read
 
@@ -237,31 +233,28 @@ def _bool(r: _Reader, name: str, default: bool) -> bool:
 
 
 def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Optional[int] = None,
-                       reserved_ram_bytes: int = 0) -> CacheConfig:
+                       reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None) -> CacheConfig:
     """The one place that turns the environment into a ``CacheConfig``.
 
     ``ram_bytes``: the RAM the container may use (default: measured); percentages of
     ``KVCACHE_DRAM_SIZE`` and its default are taken of it. ``reserved_ram_bytes``: RAM the
-    DRAM default must leave to others (the model weights, vLLM's CPU KV pool), known to
-    the server. Raises ``ConfigError``."""
+    DRAM default must leave to others (the model weights, vLLM's CPU KV pool), and
+    ``kv_bytes_per_token``: the model's, both known to the server. Raises ``ConfigError``."""
     r = _Reader(os.environ if env is None else env)
     ram = memory_limit() if ram_bytes is None else ram_bytes
     d = CacheConfig()
     notes: list[str] = []
-    dram_path = r.get("KVCACHE_DRAM_PATH") or d.dram_path
-    dram_text = r.get("KVCACHE_DRAM_SIZE")
-    if dram_text is None:
-        dram_bytes = _dram_default(dram_path, ram, reserved_ram_bytes, notes)
-    else:
-        dram_bytes = _tier_bytes(dram_text, "KVCACHE_DRAM_SIZE", dram_path, ram)
+    chunk_tokens = _positive_int(r, "KVCACHE_CHUNK_TOKENS", d.chunk_tokens)
+    entry = chunk_tokens * kv_bytes_per_token + ENTRY_OVERHEAD if kv_bytes_per_token else None
+    dram_path, dram_bytes = dram_tier(r.get("KVCACHE_DRAM_SIZE"), r.get("KVCACHE_DRAM_PATH"), ram,
+                                      reserved_ram_bytes, entry, notes)
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
-    disk_bytes = _tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, "KVCACHE_DISK_SIZE", disk_path, None)
+    disk_bytes = _disk_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     url = r.get("KVCACHE_SHARED_URL") or ""
     conf, masters = _curvine_client(r, url)
     timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
     bandwidth = parse_size(r.get("KVCACHE_SHARED_BANDWIDTH") or "0", None, "KVCACHE_SHARED_BANDWIDTH")
     admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
-    chunk_tokens = _positive_int(r, "KVCACHE_CHUNK_TOKENS", d.chunk_tokens)
     io_threads = _positive_int(r, "KVCACHE_IO_THREADS", d.io_threads)
     policy = r.get("KVCACHE_POLICY") or d.policy
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
@@ -274,37 +267,14 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        signing_key=signing_key, notes=tuple(notes))
 
 
-def _dram_default(path: str, ram: int, reserved: int, notes: list[str]) -> int:
-    """Default L1 bytes: ``DRAM_SHARE`` of the RAM, but no more than what the reserved
-    RAM and ``DRAM_MARGIN`` leave, nor than the DRAM folder's filesystem can hold."""
-    check_writable(path, "KVCACHE_DRAM_PATH")
-    room = room_for_tier(path)
-    share = int(ram * DRAM_SHARE)
-    left = max(0, ram - reserved - DRAM_MARGIN)
-    size = min(share, left, room)
-    if size < share:
-        why = (f"the free space of the DRAM folder ({human_bytes(room)})" if room < left
-               else f"RAM left after weights, engine KV and margin ({human_bytes(left)})")
-        notes.append(f"DRAM tier capped by {why}")
-    if room < SMALL_SHM:
-        notes.append(f"the DRAM folder's filesystem has only {human_bytes(room)} free; under "
-                     "Docker pass --shm-size, or point KVCACHE_DRAM_PATH at a larger tmpfs")
-    return size
-
-
-def _tier_bytes(size_text: str, name: str, path: str, ram_cap: Optional[int]) -> int:
-    """Resolve a tier size against the room its folder has (and RAM for L1)."""
+def _disk_bytes(size_text: str, path: str) -> int:
+    """Resolve the disk tier's size against the room its folder has."""
+    name = "KVCACHE_DISK_SIZE"
     if parse_size(size_text, 100, name) == 0:
         return 0  # tier disabled: its folder is never touched
-    check_writable(path, name.replace("_SIZE", "_PATH"))
+    check_writable(path, "KVCACHE_DISK_PATH")
     room = room_for_tier(path)
-    whole = room if ram_cap is None else min(room, ram_cap)
-    nbytes = parse_size(size_text, whole, name)
-    if ram_cap is not None and nbytes > ram_cap:
-        raise ConfigError(
-            f"{name}={size_text} ({nbytes:,} bytes) is above the memory this container "
-            f"may use ({ram_cap:,} bytes); lower it or give a percentage such as 20%"
-        )
+    nbytes = parse_size(size_text, room, name)
     if nbytes > room:
         raise ConfigError(
             f"{name}={size_text} ({nbytes:,} bytes) is above the free space under "

@@ -87,6 +87,28 @@ def check_writable(path: str, name: str) -> None:
         raise ConfigError(f"{name}={path!r} is not a writable folder: {e.strerror}") from None
 
 
+SYSTEM_MOUNTS = ("/proc", "/sys", "/run", "/dev")  # the system's own memory filesystems
+
+
+def memory_folders(mounts: str = "/proc/mounts") -> list[str]:
+    """Mount points of writable memory filesystems (tmpfs) that a user mounted: where a
+    DRAM tier may live when the usual folder (``/dev/shm``) is too small. ``/dev/shm``
+    itself and the system's own (``/run``, ``/sys`` ...) are left out."""
+    try:
+        with open(mounts) as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    out = []
+    for row in rows:
+        if len(row) < 4 or row[2] != "tmpfs" or "rw" not in row[3].split(","):
+            continue
+        point = row[1].replace("\\040", " ")
+        if not any(point == m or point.startswith(m + "/") for m in SYSTEM_MOUNTS) and point != "/":
+            out.append(point)
+    return out
+
+
 def room_for_tier(path: str) -> int:
     """Bytes a tier folder may hold: the free space of its filesystem plus the entries
     the tier already keeps there (they are its own, not a competitor's)."""

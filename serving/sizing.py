@@ -11,6 +11,7 @@ workers and this plan agree. Here it is only shown: bytes, tokens and requests p
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -22,6 +23,8 @@ from cache.sizes import human_bytes
 from serving.machine import Machine
 
 __all__ = ["DRAM_MARGIN", "GiB", "TierPlan", "plan_tiers", "weights_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,11 @@ def plan_tiers(
 ) -> TierPlan:
     """Resolve the cache configuration once. Raises ``cache.config.ConfigError``."""
     cache = build_cache_config(env, ram_bytes=machine.ram_bytes,
-                               reserved_ram_bytes=(weights_bytes or 0) + engine_cpu_kv_bytes)
+                               reserved_ram_bytes=(weights_bytes or 0) + engine_cpu_kv_bytes,
+                               kv_bytes_per_token=footprint.bytes_per_token if footprint else None)
     validate(cache)
+    for note in cache.notes:  # also in the plan; said at once, where an operator looks
+        log.warning("kvcache: %s", note)
     where = (f"GPU HBM ({len(machine.gpus)} x {human_bytes(machine.gpus[0].total_bytes)})"
              if machine.has_gpu else "CPU (VLLM_CPU_KVCACHE_SPACE)")
     return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, cache.notes)

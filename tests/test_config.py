@@ -173,3 +173,69 @@ def test_prompt_file_is_parsed_in_one_place(tmp_path):
     with pytest.raises(ConfigError, match="line 1: prompt_token_ids must be a list of integers"):
         read_prompt_file(str(path))
 
+
+
+# -- a DRAM folder too small is never taken silently (issue 12) ----------------------------------
+def small_shm(monkeypatch, tmp_path, shm_room, others=()):
+    """/dev/shm-like folder with ``shm_room`` bytes free; ``others``: (mount, room) of
+    memory filesystems the user mounted. The rooms are stand-ins; the folders are real."""
+    rooms = {str(tmp_path / "shm"): shm_room, **{str(tmp_path / m): r for m, r in others}}
+
+    def room(path):
+        return next((r for p, r in rooms.items() if str(path).startswith(p)), 10**15)
+
+    import cache.dram
+
+    monkeypatch.setattr(cache.dram, "room_for_tier", room)
+    monkeypatch.setattr(cache.dram, "memory_folders", lambda: [str(tmp_path / m) for m, _ in others])
+    for m, _ in others:
+        (tmp_path / m).mkdir()
+
+
+def test_a_dram_folder_smaller_than_a_chunk_turns_the_tier_off_loudly(tmp_path, monkeypatch):
+    small_shm(monkeypatch, tmp_path, 64 * 2**20)
+    e = env(tmp_path)
+    del e["KVCACHE_DRAM_SIZE"]
+    capped = build_cache_config(e, ram_bytes=64 * 2**30)
+    assert capped.dram_bytes == 64 * 2**20
+    assert any(n.startswith("WARNING: the DRAM tier wants 12.8 GiB") and "--shm-size" in n for n in capped.notes)
+    # Llama 3 70B: 320 KiB per token, an 80 MiB chunk: the tier would cache nothing
+    off = build_cache_config(e, ram_bytes=64 * 2**30, kv_bytes_per_token=327_680)
+    assert off.dram_bytes == 0 and [t.name for t in off.tiers()] == ["disk"]
+    assert any("WARNING: DRAM tier off: 64.0 MiB" in n and "cannot hold one chunk" in n for n in off.notes)
+    # an explicit size: bytes the folder cannot hold stop start-up, a share is capped loudly
+    with pytest.raises(ConfigError, match="KVCACHE_DRAM_SIZE=1GiB .* above the free space .*--shm-size"):
+        build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="1GiB"), ram_bytes=64 * 2**30)
+    share = build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="10%"), ram_bytes=64 * 2**30)
+    assert share.dram_bytes == int(64 * 2**20 * 0.1)
+    assert any(n.startswith("WARNING: KVCACHE_DRAM_SIZE=10% wants 6.4 GiB") for n in share.notes)
+
+
+def test_a_roomier_memory_filesystem_is_used_when_the_path_was_not_chosen(tmp_path, monkeypatch):
+    small_shm(monkeypatch, tmp_path, 64 * 2**20, others=[("tiny", 2**20), ("ramdisk", 32 * 2**30)])
+    monkeypatch.setattr("cache.dram.DEFAULT_DRAM_PATH", str(tmp_path / "shm" / "kvcache"))
+    e = {k: v for k, v in env(tmp_path, KVCACHE_DRAM_SIZE="8GiB").items() if k != "KVCACHE_DRAM_PATH"}
+    cfg = build_cache_config(e, ram_bytes=64 * 2**30)
+    assert (cfg.dram_path, cfg.dram_bytes) == (str(tmp_path / "ramdisk" / "kvcache"), 8 * 2**30)
+    assert any("using " + str(tmp_path / "ramdisk" / "kvcache") in n and "KVCACHE_DRAM_PATH" in n for n in cfg.notes)
+    # a folder the user chose is kept (and its size checked), never moved
+    with pytest.raises(ConfigError, match="above the free space"):
+        build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="8GiB"), ram_bytes=64 * 2**30)
+
+
+def test_memory_folders_are_the_users_tmpfs_mounts(tmp_path):
+    from cache.sizes import memory_folders
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("overlay / overlay rw 0 0\ntmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
+                      "tmpfs /run tmpfs rw 0 0\ntmpfs /sys/fs/cgroup tmpfs ro 0 0\n"
+                      "tmpfs /mnt/ram tmpfs rw,size=32g 0 0\ntmpfs /mnt/ro tmpfs ro 0 0\n"
+                      "/dev/nvme1n1 /tmp ext4 rw 0 0\n")
+    assert memory_folders(str(mounts)) == ["/mnt/ram"]
+
+
+def test_the_entry_overhead_is_the_codec_header():
+    from cache.codec import HEADER_SIZE
+    from cache.config import ENTRY_OVERHEAD
+
+    assert ENTRY_OVERHEAD == HEADER_SIZE

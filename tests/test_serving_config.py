@@ -141,13 +141,13 @@ def test_lmi_option_names(env):
 
 
 def test_connector_config_carries_resolved_sizes_not_the_secret(env):
-    cfg = build_serving_config({**env, "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB",
+    cfg = build_serving_config({**env, "KVCACHE_DRAM_SIZE": "128MiB", "KVCACHE_DISK_SIZE": "1GiB",
                                 "KVCACHE_SIGNING_KEY": "s3cret", "KVCACHE_CHUNK_TOKENS": "512"}, CPU_BOX)
     tc = json.loads(args_of(cfg)["--kv-transfer-config"])
     assert tc["kv_connector"] == "TieredKVConnector"
     assert tc["kv_connector_module_path"] == "cache.vllm.connector" and tc["kv_role"] == "kv_both"
-    sent = connector_config(cfg)
-    assert sent.dram_bytes == 64 * 2**20 and sent.disk_bytes == 2**30 and sent.chunk_tokens == 512
+    sent = connector_config(cfg)  # (a 512-token chunk is 64 MiB of this model's KV: DRAM holds two)
+    assert sent.dram_bytes == 128 * 2**20 and sent.disk_bytes == 2**30 and sent.chunk_tokens == 512
     assert "s3cret" not in " ".join(cfg.engine.vllm_args) and "s3cret" not in cfg.describe()
     # The connector reads back exactly the plan's configuration (its signing key from the
     # environment the engine processes inherit).
@@ -351,3 +351,16 @@ def test_the_server_exits_2_on_a_bad_shared_url(env):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "configuration error: KVCACHE_SHARED_URL='curvine:///kv' needs Curvine's Python SDK" in run.stderr
+
+
+def test_the_plan_says_when_the_dram_folder_is_too_small(env, tmp_path, monkeypatch, caplog):
+    """A pod's 64 MiB /dev/shm and a model whose chunk is larger: L1 off, said loudly."""
+    from tests.test_config import small_shm
+
+    small_shm(monkeypatch, tmp_path, 16 * 2**20)  # Llama 3 8B: 256 tokens x 128 KiB = 32 MiB a chunk
+    cfg = build_serving_config({**env, "KVCACHE_DRAM_PATH": str(tmp_path / "shm")}, CPU_BOX)
+    assert cfg.plan.cache.dram_bytes == 0
+    text = " ".join(cfg.describe().split())
+    assert "L1 dram " + str(tmp_path / "shm") + " off" in text
+    assert "note: WARNING: DRAM tier off: 16.0 MiB" in text and "cannot hold one chunk" in text
+    assert any("DRAM tier off" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

@@ -67,6 +67,12 @@ class WorkerSide:
         log.info("kvcache: %d KV layers, block dim %d, %s, %d bytes per block; tiers: %s",
                  len(layout.layer_names), layout.block_dim, layout.dtype_name,
                  layout.bytes_per_block(), self.store.describe())
+        chunk = layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size)
+        for tier in self.config.tiers():
+            if tier.capacity is not None and tier.capacity < chunk:
+                log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
+                            "(%s bytes): chunks go to the next tier down", tier.name, f"{tier.capacity:,}",
+                            tier.location, f"{chunk:,}")
 
     def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
         """Benchmarks: ``timer(step, seconds, **details)`` is called for each tier read
