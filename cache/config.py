@@ -19,14 +19,16 @@ from its own environment (same variables, same machine: the same answer, except 
 percentage is resolved against the free space each process sees).
 
 Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``) and ``KVCACHE_WARM_PROMPTS``
-(``warm_prompts``), whose prompts file is parsed by ``read_prompt_file`` for the start-up check and for the
-warm tool alike. Names that belong to a registry (policies, shared admission modes) and
-the shared URL's filesystem are checked by ``cache.assembly.validate``, where those live.
+(``warm_prompts``), whose prompts file is parsed by ``cache.prompts.read_prompt_file``
+for the start-up check and for the warm tool alike. Names that belong to a registry
+(policies, shared admission modes) and the shared URL's filesystem are checked by
+``cache.assembly.validate``, where those live. The DRAM tier's size and folder follow
+one rule, in ``cache.dram``.
 
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
-an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``, ``cache.dram``,
-``cache.prompts`` and ``cache.tiers.layout``.
+an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``,
+``cache.dram``, ``cache.prompts`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, GiB, dram_tier
 from cache.prompts import read_prompt_file
 from cache.sizes import ConfigError, check_writable, memory_limit, parse_size, room_for_tier
 
-__all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config", "cache_enabled",
-           "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
+__all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
+           "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
            "parse_size", "read_prompt_file", "warm_prompts"]
 
 DEFAULT_DISK_PATH = "/tmp/kvcache"

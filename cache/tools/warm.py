@@ -6,7 +6,7 @@ tier (L3), so every endpoint of the model starts warm.
 ``PROMPTS.jsonl`` holds one JSON object per line with ``"prompt"`` (text),
 ``"prompt_token_ids"`` (a list of ints) or ``"messages"`` (a chat, rendered with the
 model's chat template and the generation prompt, as the chat route renders it); it is
-read by ``cache.config.read_prompt_file``, the server's start-up check. Cache settings
+read by ``cache.prompts.read_prompt_file``, as in the server's start-up check. Cache settings
 come from the ``KVCACHE_*`` environment, as for serving (or, from the server, the
 connector configuration it resolved); ``KVCACHE_SHARED_URL`` must name the shared tier.
 
