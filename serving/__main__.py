@@ -25,16 +25,22 @@ import time
 import uvicorn
 
 from cache.config import ConfigError
-from serving.app import Gate, create_app
+from serving.app import create_app
 from serving.config import build_serving_config
 from serving.engine import Engine, State
+from serving.guard import Gate
 
 log = logging.getLogger("serving")
 
 
+CUT_GRACE_S = 2.0   # after the drain deadline: time for the cut requests' 503s to go out
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, with SageMaker's shutdown: the first SIGTERM/SIGINT drains, a second one
-    (or the drain deadline) stops at once. Also stops when the engine failed to start."""
+    stops at once. At the drain deadline the requests still running are cut (each
+    answers the JSON 503, a stream ends with an error event), then the server stops
+    and vLLM shuts down with nothing in flight. Also stops when the engine failed to start."""
 
     def __init__(self, config: uvicorn.Config, gate: Gate, engine: Engine, drain_s: float) -> None:
         super().__init__(config)
@@ -52,10 +58,16 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit:
-            if self.gate.draining and (self.gate.in_flight == 0 or time.monotonic() >= self.deadline):
-                if self.gate.in_flight:
-                    log.warning("drain deadline passed with %d request(s) in flight", self.gate.in_flight)
+            now = time.monotonic()
+            if self.gate.draining and self.gate.in_flight == 0:
                 self.should_exit = True
+            elif self.gate.draining and now >= self.deadline:
+                if not self.gate.cut.is_set():
+                    log.warning("drain deadline passed: cutting %d request(s) still in flight "
+                                "(each answers 503)", self.gate.in_flight)
+                    self.gate.cut_all()
+                elif now >= self.deadline + CUT_GRACE_S:
+                    self.should_exit = True
             elif self.engine.state is State.FAILED:
                 self.should_exit = True
         return await super().on_tick(counter)

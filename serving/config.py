@@ -47,6 +47,7 @@ __all__ = ["ConfigError", "ServingConfig", "build_serving_config"]
 
 DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
 DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
+DEFAULT_MAX_N = 16                            # SERVING_MAX_N: choices per request
 DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
 CONNECTOR = {"kv_connector": "TieredKVConnector",
              "kv_connector_module_path": "cache.vllm_connector",
@@ -85,6 +86,8 @@ class HttpSettings:
     log_level: str = "INFO"
     sessions_enabled: bool = True           # SageMaker stateful sessions
     session_ttl_s: int = 1200
+    sessions_path: Optional[str] = None     # the standards library's session folder (its default: /dev/shm)
+    max_n: int = DEFAULT_MAX_N              # most choices one request may ask for (n)
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,8 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         log_level=level,
         sessions_enabled=_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
         session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
+        sessions_path=env.get("SAGEMAKER_SESSIONS_PATH") or None,
+        max_n=_int(env, "SERVING_MAX_N", DEFAULT_MAX_N, minimum=1),
     )
     return http, notes
 

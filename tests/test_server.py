@@ -23,9 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.invocations import BadRequest, TgiStream, parse_tgi, shape_of, tgi_to_completion
+from pydantic import ValidationError
+
+from serving.errors import ClientError
 from serving.metrics import RequestOutcome
-from serving.sessions import SessionError, Sessions, parse_session_request
+from serving.pipeline import shape_of
+from serving.tgi import TgiStream, parse_tgi, tgi_to_completion
 from tests.conftest import close_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,10 +42,11 @@ def test_shapes():
     assert shape_of({"messages": []}) == "chat"
     assert shape_of({"prompt": "x"}) == "completion"
     assert shape_of({"inputs": "x"}) == "tgi"
-    assert shape_of({"requestType": "NEW_SESSION"}) == "session"
-    for bad in ({"input": "x"}, [], "x", 3):
-        with pytest.raises(BadRequest):
-            shape_of(bad)
+    with pytest.raises(ClientError):
+        shape_of({"input": "x"})
+    # a model that pools: vLLM's pooling requests, whatever their keys
+    assert shape_of({"input": "x"}, ("embed",)) == "pooling"
+    assert shape_of({"messages": []}, ("generate", "embed")) == "chat"
 
 
 def test_tgi_translation():
@@ -53,10 +57,15 @@ def test_tgi_translation():
     assert body["max_tokens"] == 7 and body["temperature"] == 0.0 and body["stop"] == ["\n", "END"]
     assert body["logprobs"] == 2 and body["seed"] == 3 and body["truncate_prompt_tokens"] == 100
     assert body["return_token_ids"] and body["stream"] and body["model"] == "m"
+    salted = tgi_to_completion(parse_tgi({"inputs": "hi", "model": "adapter-1",
+                                          "parameters": {"cache_salt": "tenant-a"}}), "m")
+    assert salted["cache_salt"] == "tenant-a" and salted["model"] == "adapter-1"
+    assert "cache_salt" not in tgi_to_completion(parse_tgi({"inputs": "hi"}), "m")
     for bad in ({"inputs": 5}, {"inputs": ""}, {"inputs": "x", "parameters": {"temperature": -1}},
                 {"inputs": "x", "parameters": {"max_new_tokens": 0}},
-                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1}):
-        with pytest.raises(BadRequest):
+                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1},
+                {"inputs": "x", "parameters": {"cache_salt": ""}}):
+        with pytest.raises(ValidationError):
             parse_tgi(bad)
 
 
@@ -71,22 +80,6 @@ def test_tgi_stream_holds_back_the_last_event():
     assert [p["token"]["text"] for p in parsed] == ["a", "b"]
     assert parsed[0]["generated_text"] is None and parsed[-1]["generated_text"] == "ab"
     assert parsed[-1]["details"] == {"finish_reason": "length", "generated_tokens": 2, "seed": None}
-
-
-def test_sessions_expire_and_close():
-    now = [1000.0]
-    s = Sessions(ttl_s=10, clock=lambda: now[0])
-    sid, header = s.create()
-    assert header.startswith(f"{sid}; Expires=") and s.is_live(sid)
-    s.close(sid)
-    with pytest.raises(SessionError):
-        s.close(sid)
-    sid2, _ = s.create()
-    now[0] += 11
-    assert not s.is_live(sid2)
-    assert parse_session_request({"requestType": "CLOSE"}) == "CLOSE"
-    with pytest.raises(SessionError):
-        parse_session_request({"requestType": "OPEN"})
 
 
 def test_outcome_names_the_slowest_tier():

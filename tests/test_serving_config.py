@@ -291,7 +291,7 @@ def test_toolkit_sees_only_the_given_environment(env, monkeypatch):
 
 # -- vLLM's own parser accepts what we render (imports vLLM: slow) --------------
 def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
-    from serving.engine import parse_engine_args
+    from serving.engine_args import parse_engine_args
 
     cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096",
                                 "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
@@ -309,7 +309,7 @@ def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
 
 
 def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
-    from serving.engine import parse_engine_args
+    from serving.engine_args import parse_engine_args
     from serving.warmup import warm_arguments
 
     cfg = build_serving_config({**warm_env, "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
