@@ -3,9 +3,11 @@
 Runs in the container's main process (PID 1 after ``exec``). Order of events:
 1. build the configuration from the environment and the machine, log it and the tier
    plan as one block (a bad setting: message on stderr, exit 2);
-2. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
+2. remove the shared-memory and rendezvous files a killed predecessor's vLLM left
+   (``serving.leftovers``: only files no live process holds);
+3. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
    background; ``/ping`` answers 503 until the engine is ready;
-3. on SIGTERM: ``/ping`` and new invocations answer 503, requests in flight finish
+4. on SIGTERM: ``/ping`` and new invocations answer 503, requests in flight finish
    (up to ``DRAIN_SECONDS``), then vLLM shuts down, its workers flushing the cache's
    write-behind, and the process exits 0, inside SageMaker's 30 s.
 If the engine cannot start, the process exits 1.
@@ -29,6 +31,7 @@ from serving.app import create_app
 from serving.config import build_serving_config
 from serving.engine import Engine, State
 from serving.guard import Gate
+from serving.leftovers import remove_leftovers
 
 log = logging.getLogger("serving")
 
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(config.describe())
         return 0
     log.info("configuration:\n%s", config.describe())
+    remove_leftovers()  # what a killed predecessor's vLLM left in /dev/shm and /tmp
 
     app = create_app(config)
     engine: Engine = app.state.engine

@@ -49,6 +49,7 @@ DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
 DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
 DEFAULT_MAX_N = 16                            # SERVING_MAX_N: choices per request
 DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
+MAX_DRAIN_SECONDS = 18.0                      # SERVING_DRAIN_SECONDS above this cannot stop in time
 CONNECTOR = {"kv_connector": "TieredKVConnector",
              "kv_connector_module_path": "cache.vllm_connector",
              "kv_role": "kv_both"}
@@ -219,7 +220,11 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
         sessions_path=env.get("SAGEMAKER_SESSIONS_PATH") or None,
         max_n=_int(env, "SERVING_MAX_N", DEFAULT_MAX_N, minimum=1),
+        drain_timeout_s=float(_int(env, "SERVING_DRAIN_SECONDS", int(DRAIN_SECONDS), minimum=0)),
     )
+    if http.drain_timeout_s > MAX_DRAIN_SECONDS:
+        raise ConfigError(f"SERVING_DRAIN_SECONDS={http.drain_timeout_s:.0f} leaves vLLM no time "
+                          f"to stop inside SageMaker's 30 s; at most {MAX_DRAIN_SECONDS:.0f}")
     return http, notes
 
 

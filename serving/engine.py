@@ -196,6 +196,12 @@ class Engine:
             return
         client, self.client = self.client, None
         log.info("stopping the engine (was %s)", previous.value)
+        # vLLM cancels its output handler only after the engine core is gone; meanwhile
+        # the handler reads the dead core and logs an EngineDeadError traceback. Nothing
+        # is in flight any more (the server drained or cut every request): cancel it first.
+        handler = getattr(client, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
         await asyncio.to_thread(client.shutdown, timeout_s)
 
 

@@ -196,12 +196,14 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
         "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
+        "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
         **env_extra,
     })
     log = tmp / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: killable as a whole
     url = f"http://127.0.0.1:{port}"
     pings: list[tuple[int, float]] = []
     srv = Server(proc, url, log, tmp, pings)
@@ -243,6 +245,7 @@ def server(tmp_path_factory, model_path):
     srv = start_server(tmp, model_path, {
         "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
         "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
+        "SERVING_DRAIN_SECONDS": "5",
     })
     try:
         yield srv
@@ -354,21 +357,27 @@ def test_openai_chat_stream(server):
 
 @engine
 def test_stateful_session(server):
+    """Sessions as the SageMaker standards library runs them (vLLM's own router too)."""
     r = server.post({"requestType": "NEW_SESSION"})
     assert r.status_code == 200
     sid = r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]
     assert "Expires=" in r.headers["X-Amzn-SageMaker-New-Session-Id"]
     r = server.post({"inputs": "turn one", "parameters": {"max_new_tokens": 2}}, headers={SESSION: sid})
-    assert r.status_code == 200 and r.headers[SESSION] == sid
+    assert r.status_code == 200, r.text
     r = server.post({"messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2},
                     headers={SESSION: sid})
-    assert r.status_code == 200 and r.headers[SESSION] == sid
+    assert r.status_code == 200, r.text
+    # NEW_SESSION on an ordinary request is served as one (no session is opened)
+    r = server.post({"prompt": "x", "max_tokens": 1}, headers={SESSION: "NEW_SESSION"})
+    assert r.status_code == 200, r.text
     r = server.post({"requestType": "CLOSE"}, headers={SESSION: sid})
     assert r.status_code == 200 and r.headers["X-Amzn-SageMaker-Closed-Session-Id"] == sid
     r = server.post({"inputs": "after close"}, headers={SESSION: sid})
-    assert r.status_code == 400 and "not open" in r.json()["error"]["message"]
-    assert server.post({"requestType": "CLOSE"}).status_code == 400      # no session header
+    assert r.status_code == 400 and "session not found" in r.json()["error"]["message"]
     assert server.post({"requestType": "BOGUS"}).status_code == 400
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 
 
 @engine
@@ -376,23 +385,88 @@ def test_stateful_session(server):
     (b'{"inputs": "x",', 400, "malformed JSON"),
     (b"", 400, "malformed JSON"),
     (b"[1, 2]", 400, "JSON object"),
+    (b"[" * 1000 + b"]" * 1000, 400, "deep"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "digits"),
     ({"nothing": 1}, 400, "unknown request shape"),
     ({"inputs": 5}, 400, "inputs"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"messages": "hi"}, 400, "messages"),
+    ({"messages": 1.5}, 400, "not iterable"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 2}, 400, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"prompt": "", "max_tokens": 1}, 400, "prompt"),
+    ({"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
+    ({**CHAT, "tool_choice": "auto"}, 400, "tools"),
+    ({**CHAT, "top_logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
+    ({"prompt": "x", "prompt_logprobs": -5}, 400, "prompt_logprobs"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ({**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, 400, "not a chat role"),
+    ({**CHAT, "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "SERVING_MAX_N"),
     ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
     ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
+    ({"inputs": "x", "parameters": {"cache_salt": ""}}, 400, "cache_salt"),
     ({"prompt": "a" * 5000, "max_tokens": 4}, 400, "maximum context length"),
     ({"inputs": "a" * 5000}, 400, "maximum context length"),
 ])
 def test_bad_input_is_a_4xx_with_a_message(server, body, status, words):
     r = server.post(body)
     assert r.status_code == status, r.text
-    assert words in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status and err["type"]
+
+
+@engine
+def test_bad_stream_is_refused_before_its_200_and_every_status_is_counted(server):
+    before = server.metric("sagemaker_invocations_total", 'shape="completion",status="400"')
+    with server.client.stream("POST", "/invocations", json={"prompt": "x", "stream": True,
+                                                            "logprobs": 100}) as r:
+        r.read()
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert "logprobs" in r.json()["error"]["message"]
+    r = server.post({"prompt": "x", "max_tokens": 1}, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == 415
+    after = server.metric("sagemaker_invocations_total", 'shape="completion",status="400"')
+    assert after == before + 1
+    assert server.metric("sagemaker_invocations_total", 'shape="unknown",status="415"') >= 1
+
+
+@engine
+def test_openai_routes_on_the_same_port(server):
+    models = server.client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["default-model"]
+    r = server.client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    r = server.client.post("/v1/completions", json={"prompt": "x", "n": 1000})
+    assert r.status_code == 400 and "SERVING_MAX_N" in r.json()["error"]["message"]
+    r = server.client.post("/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 400 and "does not serve embeddings" in r.json()["error"]["message"]
+
+
+SALTED_PROMPT = "".join(chr(97 + (i * 13) % 26) for i in range(1100))
+
+
+@engine
+def test_cache_salt_through_invocations(server):
+    """A prompt stored under one salt (sent as TGI's ``cache_salt`` parameter) is loaded
+    from our tiers only by a request with the same salt (sent as OpenAI's field), never
+    by another salt or by none (vLLM's own prefix cache is off on this server)."""
+    r = server.post({"inputs": SALTED_PROMPT, "parameters": {"max_new_tokens": 1,
+                                                              "cache_salt": "tenant-a"}})
+    assert r.status_code == 200, r.text
+    time.sleep(1.0)  # the write-behind stores the chunks
+
+    def loaded(**salt) -> int:
+        out = server.post({"prompt": SALTED_PROMPT, "max_tokens": 1, **salt}).json()
+        return sum((out["kv_transfer_params"] or {}).get("kvcache_loaded_tokens", {}).values())
+
+    assert loaded(cache_salt="tenant-b") == 0
+    assert loaded() == 0
+    assert loaded(cache_salt="tenant-a") >= 1024
 
 
 @engine
@@ -477,40 +551,59 @@ def test_metrics(server):
 
 
 @engine
-def test_sigterm_drains_in_flight_request_and_exits_zero(server):
-    """Last: stops the module's server."""
+def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(server):
+    """Last: stops the module's server (drain deadline SERVING_DRAIN_SECONDS=5). A short
+    request in flight finishes; long ones still running at the deadline are cut: the
+    non-streamed one answers the JSON 503, the stream ends with a 503 error event."""
     result: dict = {}
 
-    def in_flight():
-        with server.client.stream("POST", "/invocations", json={
-                "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 120, "ignore_eos": True,
-                "stream": True}) as r:
+    def stream(name: str, body: dict):
+        with server.client.stream("POST", "/invocations", json={**body, "stream": True}) as r:
             lines = []
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     lines.append(line)
-                    result.setdefault("first", time.monotonic())
-            result["status"], result["lines"] = r.status_code, lines
+                    result.setdefault(name + "-first", time.monotonic())
+            result[name] = (r.status_code, lines)
 
-    t = threading.Thread(target=in_flight)
-    t.start()
-    while "first" not in result:
-        assert t.is_alive() and server.proc.poll() is None
+    def plain():
+        r = server.post({"prompt": "cut me", "max_tokens": 3000, "ignore_eos": True})
+        result["plain"] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=stream, args=("short", {
+                   "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 20, "ignore_eos": True})),
+               threading.Thread(target=stream, args=("long", {
+                   "prompt": "cut this stream", "max_tokens": 3000, "ignore_eos": True})),
+               threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    while not ("short-first" in result and "long-first" in result):
+        assert all(t.is_alive() for t in threads[:2]) and server.proc.poll() is None, result
         time.sleep(0.05)
+    log_before = len(server.log.read_text())
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
     refused = httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5)
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
     code = server.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent
-    t.join(10)
+    for t in threads:
+        t.join(10)
     assert code == 0, server.tail()
     assert elapsed < 30
-    assert result["status"] == 200 and result["lines"][-1] == "data: [DONE]"
-    finished = [json.loads(line[5:]) for line in result["lines"][:-1]]
+    status, lines = result["short"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    finished = [json.loads(line[5:]) for line in lines[:-1]]
     assert any(c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in finished)
+    status, body = result["plain"]
+    assert status == 503 and "drain deadline" in body["error"]["message"], body
+    status, lines = result["long"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][5:])["error"]["code"] == 503
+    after = server.log.read_text()[log_before:]
+    assert "Traceback" not in after and "EngineDeadError" not in after, after[-3000:]
     # the tiers were left consistent: every write published, no temporary files behind
     leftovers = [p for p in server.tiers.rglob("*") if ".tmp-" in p.name]
     assert not leftovers and any((server.tiers / "dram").rglob("*/*/*"))
