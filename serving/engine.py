@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from cache.config import ConfigError
 from serving.config import EngineSettings
 from serving.engine_args import parse_engine_args
+from serving.model import fetch_model
 from serving.metrics import RequestOutcome, now, outcome_from_output
 from serving.warmup import Warmup
 
@@ -130,6 +131,9 @@ class Engine:
     async def _start(self) -> None:
         for key, value in self.settings.env:
             os.environ.setdefault(key, value)
+        source = self.settings.model_source
+        if source is not None and source.s3_uri:  # an S3 model: its files, before vLLM starts
+            await asyncio.to_thread(fetch_model, source)
         args = await asyncio.to_thread(parse_engine_args, self.settings)
         if self.state is State.STOPPING:
             return

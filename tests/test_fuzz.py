@@ -68,7 +68,8 @@ tgi_params = st.fixed_dictionaries({}, optional={
     "stop_sequences": junk, "do_sample": junk, "details": st.booleans(),
     "decoder_input_details": junk, "top_n_tokens": small_int, "truncate": small_int,
     "return_full_text": junk, "cache_salt": st.one_of(text, junk), "typical_p": junk})
-tgi = st.builds(lambda i, p, s: {"inputs": i, "parameters": {"max_new_tokens": 1, **p}, "stream": s},
+tgi = st.builds(lambda i, p, s: {"inputs": i, "stream": s,
+                                 "parameters": {"max_new_tokens": 1, **p} if isinstance(p, dict) else p},
                 st.one_of(text, junk), st.one_of(tgi_params, junk), st.one_of(st.booleans(), junk))
 session_ids = st.one_of(st.none(), st.just("NEW_SESSION"), st.uuids().map(str),
                         st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40))
