@@ -7,9 +7,10 @@ Runs in the container's main process (PID 1 after ``exec``). Order of events:
    (``serving.leftovers``: only files no live process holds);
 3. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
    background; ``/ping`` answers 503 until the engine is ready;
-4. on SIGTERM: ``/ping`` and new invocations answer 503, requests in flight finish
-   (up to ``DRAIN_SECONDS``), then vLLM shuts down, its workers flushing the cache's
-   write-behind, and the process exits 0, inside SageMaker's 30 s.
+4. on SIGTERM: ``/ping`` and new requests answer 503, requests in flight go on (up to
+   ``SERVING_DRAIN_SECONDS``); those still running then answer 503 (a stream ends with
+   an error event); vLLM shuts down, its workers flushing the cache's write-behind, and
+   the process exits 0, inside SageMaker's 30 s.
 If the engine cannot start, the process exits 1.
 
     python -m serving                 # serve

@@ -1,15 +1,17 @@
 """The vLLM engine inside the server: start-up in the background, health, shutdown.
 
 Runs in the server process. ``Engine.start`` is a task on the event loop; the slow
-parts (importing vLLM, tens of seconds on a small machine; building ``AsyncLLM``,
-which spawns the engine-core and worker processes and waits for the model to load)
-run in a thread, so ``/ping`` keeps answering 503 meanwhile. Once ready, requests
-go through vLLM's own OpenAI serving layer (``OpenAIServingChat`` and
-``OpenAIServingCompletion``), built by vLLM's ``init_app_state`` from the same
-arguments ``vllm serve`` takes. The engine client those objects see is wrapped by
-``ObservedEngine``, which records each finished request's outcome for the metrics.
-With ``KVCACHE_WARM_PROMPTS``, the warm-up (``serving.warmup``, an engine of its own in
-a child process) runs to its end first, so two engines never share the memory.
+parts (an S3 model's download, importing vLLM, tens of seconds on a small machine;
+building ``AsyncLLM``, which spawns the engine-core and worker processes and waits for
+the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. Once
+ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
+``OpenAIServingCompletion``, the models list, the pooling endpoints when the model
+pools) from the same arguments ``vllm serve`` takes, into the app's own state, where
+``serving.pipeline`` and vLLM's endpoint functions find them. The engine client those
+objects see is wrapped by ``ObservedEngine``, which records each finished request's
+outcome for the metrics. With ``KVCACHE_WARM_PROMPTS``, the warm-up
+(``serving.warmup``, an engine of its own in a child process) runs to its end first,
+so two engines never share the memory.
 
 ``healthy`` reads two flags (ours and vLLM's ``errored``): no engine call, so it is
 safe on the ``/ping`` path while the engine is busy.

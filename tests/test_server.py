@@ -550,6 +550,74 @@ def test_metrics(server):
     assert not re.search(r"^kvcache_(tier_|prefix_tokens|dropped_writes)", text, re.M)
 
 
+class RuntimeProxy:
+    """SageMaker's runtime front door, reduced to its routing: ``POST
+    /endpoints/NAME/invocations`` goes to the container's ``/invocations`` with the body
+    and the headers botocore sends (content type, accept, session), and the container's
+    answer comes back as is. Lets the real botocore client (signing, serialisation,
+    ``NewSessionId`` parsing) talk to a local server."""
+
+    def __init__(self, target: str) -> None:
+        import http.server
+
+        forward = httpx.Client(base_url=target, timeout=120)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                keep = {k: v for k, v in self.headers.items()
+                        if k.lower() in ("content-type", "accept") or k.lower().startswith("x-amzn-sagemaker-")}
+                r = forward.post("/invocations", content=body, headers=keep)
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() in ("content-type",) or k.lower().startswith("x-amzn-sagemaker-"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+@engine
+def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
+    """deploy/sagemaker_endpoint.py's ``invoke`` with the real sagemaker-runtime client."""
+    import boto3
+
+    from tests.test_deploy import dep
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
+        monkeypatch.setenv(k, v)
+    proxy = RuntimeProxy(server.url)
+    try:
+        rt = boto3.client("sagemaker-runtime", region_name="us-east-1", endpoint_url=proxy.url)
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+        # an ordinary request with SessionId=NEW_SESSION is served, as the standards library does
+        answer, sid = dep.invoke(rt, "kv", body, session_id="NEW_SESSION")
+        assert isinstance(answer["generated_text"], str) and sid == "NEW_SESSION"
+        # a session proper: opened with the session request, then used by id
+        opened = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
+                                    Body=json.dumps({"requestType": "NEW_SESSION"}), SessionId="NEW_SESSION")
+        new = opened["NewSessionId"].split(";")[0].strip()
+        answer, sid = dep.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                                 session_id=new)
+        assert sid == new and answer["object"] == "chat.completion"
+        closed = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
+                                    Body=json.dumps({"requestType": "CLOSE"}), SessionId=new)
+        assert closed["ClosedSessionId"] == new
+    finally:
+        proxy.close()
+
+
 @engine
 def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(server):
     """Last: stops the module's server (drain deadline SERVING_DRAIN_SECONDS=5). A short
