@@ -127,7 +127,9 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
                 "SERVING_DEFAULT_MODEL_DIR": str(model), "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
                 "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
                 "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true"})
+                "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
+                # vLLM's own prefix cache off: a shared prefix must come from our tiers
+                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"})
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)

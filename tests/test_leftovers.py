@@ -77,6 +77,8 @@ def test_candidates_and_stale_pick_vllm_names_only(tmp_path):
 @pytest.mark.engine
 def test_kill_9_leftovers_are_removed_by_the_next_server_and_a_live_ones_kept(tmp_path, model_path):
     before = set(candidates())
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
     first = start_server(tmp_path / "a", model_path, {})
     try:
         pgid = os.getpgid(first.proc.pid)
