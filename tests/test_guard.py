@@ -118,3 +118,33 @@ def test_sessions_through_the_standards_library(app):
     assert_error(post(app, {"inputs": "x"}, headers={SESSION: sid}), 400, "session not found")
     assert_error(post(app, {"requestType": "CLOSE"}), 424, "invalid session_id")  # as the library answers
     assert_error(post(app, {"requestType": "BOGUS"}), 400, "requestType")
+
+
+@pytest.fixture
+def model_script(tmp_path, monkeypatch):
+    """A model folder with a ``model.py`` defining a custom ping handler, as the
+    standards library looks for it (``SAGEMAKER_MODEL_PATH``)."""
+    from model_hosting_container_standards.sagemaker.sagemaker_loader import SageMakerFunctionLoader
+
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "model.py").write_text(
+        "from fastapi import Request\nfrom fastapi.responses import JSONResponse\n\n"
+        "async def custom_sagemaker_ping_handler(raw_request: Request):\n"
+        "    return JSONResponse({'status': 'custom'})\n")
+    monkeypatch.setenv("SAGEMAKER_MODEL_PATH", str(folder) + "/")
+    monkeypatch.setattr(SageMakerFunctionLoader, "_default_function_loader", None)  # the library caches it
+    yield folder
+    monkeypatch.delenv("SAGEMAKER_MODEL_PATH")
+    SageMakerFunctionLoader._default_function_loader = None
+
+
+def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    env = {"HF_MODEL_ID": str(model), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+           "KVCACHE_CPU_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+    app = create_app(build_serving_config(env, Machine(ram_bytes=16 << 30, cpus=2)))
+    r = call(app, "GET", "/ping")
+    assert r.status_code == 200 and r.json() == {"status": "custom"}
