@@ -144,23 +144,26 @@ class RequestGuard:
                 break
         body = b"".join(parts)
         # A large body is scanned and parsed off the event loop (6 MiB: ~0.1 s of CPU).
-        checked = await asyncio.to_thread(_check, body) if len(body) > OFF_LOOP_BYTES else _check(body)
-        return checked, (body if checked is None else None)
+        refusal, payload = await asyncio.to_thread(_check, body) if len(body) > OFF_LOOP_BYTES \
+            else _check(body)
+        if payload is not None and "requestType" in payload:
+            scope["state"]["shape"] = "session"  # answered by the standards library, not a route of ours
+        return refusal, (body if refusal is None else None)
 
 
 def _check(body: bytes):
-    """None for a body the routes may parse, else the refusal."""
+    """``(None, payload)`` for a body the routes may parse, else ``(refusal, None)``."""
     problem = json_bounds_problem(body)
     if problem:
-        return error_response(400, f"malformed JSON: {problem}")
+        return error_response(400, f"malformed JSON: {problem}"), None
     try:
         payload = json.loads(body)
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 text
-        return error_response(400, f"malformed JSON: {e}")
+        return error_response(400, f"malformed JSON: {e}"), None
     if not isinstance(payload, dict):
         return error_response(400, "the request body must be a JSON object, not "
-                              f"{type(payload).__name__}")
-    return None
+                              f"{type(payload).__name__}"), None
+    return None, payload
 
 
 CLIENT_LEFT = 499  # nginx's "client closed request": nothing was sent back

@@ -115,6 +115,7 @@ def test_sessions_through_the_standards_library(app):
     assert_error(post(app, {"inputs": "x"}, headers={SESSION: "NEW_SESSION"}), 503, "not ready")
     r = post(app, {"requestType": "CLOSE"}, headers={SESSION: sid})
     assert r.status_code == 200 and r.headers["X-Amzn-SageMaker-Closed-Session-Id"] == sid
+    assert counted(app, "session", 200) == 2
     assert_error(post(app, {"inputs": "x"}, headers={SESSION: sid}), 400, "session not found")
     assert_error(post(app, {"requestType": "CLOSE"}), 424, "invalid session_id")  # as the library answers
     assert_error(post(app, {"requestType": "BOGUS"}), 400, "requestType")
