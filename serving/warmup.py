@@ -156,7 +156,7 @@ def main() -> int:
     code, report = 0, {}
     try:
         from cache.tools.warm import warm
-        from serving.engine import parse_engine_args
+        from serving.engine_args import parse_engine_args
 
         settings = EngineSettings(vllm_args=tuple(job["vllm_args"]),
                                   arg_sources=tuple(tuple(p) for p in job["arg_sources"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,8 @@ from serving import config as serving_config
 from serving.config import DEFAULT_PAYLOAD_BYTES, build_serving_config
 from serving.machine import Gpu, Machine
 from serving.sizing import DRAM_MARGIN, GiB
+
+REPO = Path(__file__).resolve().parent.parent
 
 LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "hidden_size": 4096, "torch_dtype": "bfloat16",
@@ -71,7 +74,7 @@ def test_hf_model_id_local_folder(env, model_dir):
 
 
 def test_hub_id_with_revision_and_unreadable_config(env, monkeypatch):
-    monkeypatch.setattr(serving_config, "_hf_config", lambda model, env: None)  # offline
+    monkeypatch.setattr(serving_config, "hf_config", lambda model, env: None)  # offline
     cfg = build_serving_config({**env, "HF_MODEL_ID": "meta-llama/Meta-Llama-3-8B",
                                 "HF_MODEL_REVISION": "abc123"}, CPU_BOX)
     a = args_of(cfg)
@@ -135,7 +138,7 @@ def test_lmi_option_names(env):
                                 "SM_VLLM_MAX_MODEL_LEN": "1024"}, GPU_BOX)
     a = args_of(cfg)
     assert a["--tensor-parallel-size"] == "4" and a["--max-num-seqs"] == "64"
-    assert a["--dtype"] == "fp16" and "--rolling-batch" not in a
+    assert a["--dtype"] == "float16" and "--rolling-batch" not in a  # LMI's name, vLLM's value
     assert a["--max-model-len"] == "1024"  # SM_VLLM_ wins over OPTION_
     assert any("OPTION_ROLLING_BATCH" in n for n in cfg.notes)
 
@@ -295,7 +298,7 @@ def test_toolkit_sees_only_the_given_environment(env, monkeypatch):
 
 # -- vLLM's own parser accepts what we render (imports vLLM: slow) --------------
 def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
-    from serving.engine import parse_engine_args
+    from serving.engine_args import parse_engine_args
 
     cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096",
                                 "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
@@ -313,7 +316,7 @@ def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
 
 
 def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
-    from serving.engine import parse_engine_args
+    from serving.engine_args import parse_engine_args
     from serving.warmup import warm_arguments
 
     cfg = build_serving_config({**warm_env, "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
@@ -364,3 +367,178 @@ def test_the_plan_says_when_the_dram_folder_is_too_small(env, tmp_path, monkeypa
     assert "L1 dram " + str(tmp_path / "shm") + " off" in text
     assert "note: WARNING: DRAM tier off: 16.0 MiB" in text and "cannot hold one chunk" in text
     assert any("DRAM tier off" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
+# -- the model: never the wrong one ---------------------------------------------------
+def _no_model_id(env):
+    return {k: v for k, v in env.items() if k != "HF_MODEL_ID"}
+
+
+def test_sm_vllm_model_is_the_model_everywhere(env, model_dir):
+    cfg = build_serving_config({**_no_model_id(env), "SM_VLLM_MODEL": str(model_dir)}, CPU_BOX)
+    a = args_of(cfg)
+    assert cfg.model.source == "SM_VLLM_MODEL" and a["--model"] == str(model_dir)
+    assert list(cfg.engine.vllm_args).count("--model") == 1
+    assert cfg.engine.served_model_name == a["--served-model-name"] == str(model_dir)
+    assert cfg.footprint.bytes_per_token == KV_8B  # sized from that model's config.json
+    # it wins over HF_MODEL_ID, as the SageMaker vLLM container's own argument
+    other = build_serving_config({**env, "SM_VLLM_MODEL": "org/other"}, CPU_BOX)
+    assert other.model.model == "org/other" and other.engine.served_model_name == "org/other"
+
+
+def test_model_artifact_one_folder_deep_is_found(env, tmp_path):
+    nested = tmp_path / "ml" / "model" / "llama3-8b"
+    nested.mkdir(parents=True)
+    (nested / "config.json").write_text(json.dumps(LLAMA3_8B))
+    cfg = build_serving_config(_no_model_id(env), CPU_BOX)
+    assert cfg.model.model == str(nested) and cfg.footprint.bytes_per_token == KV_8B
+    assert build_serving_config({**env, "HF_MODEL_ID": str(tmp_path / "ml" / "model")},
+                                CPU_BOX).model.model == str(nested)
+
+
+def test_empty_sagemaker_model_folder_stops_instead_of_serving_a_random_model(env, tmp_path, monkeypatch):
+    (tmp_path / "ml" / "model").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="no model to serve: .* holds no model"):
+        build_serving_config(_no_model_id(env), CPU_BOX)
+    made = []
+    monkeypatch.setattr("serving.default_model.ensure_model", lambda path, shape: made.append(path))
+    cfg = build_serving_config({**_no_model_id(env), "SERVING_DEFAULT_MODEL": "true",
+                                "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"]}, CPU_BOX)
+    assert cfg.model.source == "default" and made
+
+
+def test_empty_model_folder_exits_2_with_one_message(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "ml" / "model").mkdir(parents=True)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+           "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+    run = subprocess.run([sys.executable, "-m", "serving", "--print-config"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("configuration error: no model to serve") == 1
+
+
+# -- TGI and LMI settings ---------------------------------------------------------
+def test_tgi_settings_become_vllm_arguments(env):
+    cfg = build_serving_config({**env, "HF_MODEL_QUANTIZE": "bitsandbytes-nf4", "HF_MODEL_TRUST_REMOTE_CODE": "true",
+                                "MAX_INPUT_LENGTH": "3000", "MAX_TOTAL_TOKENS": "4096",
+                                "MAX_BATCH_PREFILL_TOKENS": "8192"}, CPU_BOX)
+    a, src = args_of(cfg), dict(cfg.engine.arg_sources)
+    assert a["--quantization"] == "bitsandbytes" and a["--trust-remote-code"] is True
+    assert a["--max-model-len"] == "4096" and a["--max-num-batched-tokens"] == "8192"
+    assert src["--max-model-len"] == "MAX_TOTAL_TOKENS" and cfg.plan.context_tokens == 4096
+    assert any("MAX_INPUT_LENGTH=3000" in n for n in cfg.notes)
+    with pytest.raises(ConfigError, match="MAX_INPUT_LENGTH=5000 must be below MAX_TOTAL_TOKENS=4096"):
+        build_serving_config({**env, "MAX_INPUT_LENGTH": "5000", "MAX_TOTAL_TOKENS": "4096"}, CPU_BOX)
+    with pytest.raises(ConfigError, match="MAX_TOTAL_TOKENS='lots'"):
+        build_serving_config({**env, "MAX_TOTAL_TOKENS": "lots"}, CPU_BOX)
+    # OPTION_ and SM_VLLM_ win over TGI's
+    assert args_of(build_serving_config({**env, "MAX_TOTAL_TOKENS": "4096", "OPTION_MAX_MODEL_LEN": "2048"},
+                                        CPU_BOX))["--max-model-len"] == "2048"
+
+
+@pytest.mark.parametrize("lmi,vllm", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32"),
+                                      ("auto", "auto")])
+def test_lmi_dtype_names(env, lmi, vllm):
+    assert args_of(build_serving_config({**env, "OPTION_DTYPE": lmi}, CPU_BOX))["--dtype"] == vllm
+
+
+def test_serving_properties_in_the_model_folder(env, tmp_path, model_dir):
+    sm = tmp_path / "ml" / "model"
+    sm.mkdir(parents=True)
+    (sm / "serving.properties").write_text(f"engine=Python\noption.model_id={model_dir}\n"
+                                           "option.dtype=bf16\noption.max_model_len=2048\n# note\n")
+    cfg = build_serving_config({**_no_model_id(env), "OPTION_MAX_MODEL_LEN": "1024"}, CPU_BOX)
+    a = args_of(cfg)
+    assert cfg.model.source == "OPTION_MODEL_ID" and a["--model"] == str(model_dir)
+    assert a["--dtype"] == "bfloat16" and a["--max-model-len"] == "1024"  # the environment wins
+    assert any("OPTION_MAX_MODEL_LEN from the environment wins" in n for n in cfg.notes)
+    assert any("OPTION_ENGINE" in n for n in cfg.notes)
+    (sm / "serving.properties").write_text("option.dtype\n")
+    with pytest.raises(ConfigError, match="serving.properties, line 1"):
+        build_serving_config(_no_model_id(env), CPU_BOX)
+
+
+def test_unknown_lmi_options_are_dropped_with_a_note_sm_vllm_ones_refused(env, caplog):
+    from serving.engine_args import parse_engine_args
+
+    cfg = build_serving_config({**env, "OPTION_ROLLING_BATCH_SIZE_X": "4", "OPTION_ENABLE_STREAMING": "true",
+                                "OPTION_MAX_MODEL_LEN": "2048"}, CPU_BOX)
+    with caplog.at_level("INFO", logger="serving.engine_args"):
+        args = parse_engine_args(cfg.engine)
+    assert args.max_model_len == 2048
+    assert "OPTION_ENABLE_STREAMING: vLLM has no --enable-streaming; ignored" in caplog.text
+    bad = build_serving_config({**env, "SM_VLLM_ENABLE_STREAMING": "true"}, CPU_BOX)
+    with pytest.raises(ConfigError, match="enable-streaming"):
+        parse_engine_args(bad.engine)
+
+
+# -- S3 models, downloaded with boto3 (a local S3: moto's server) ------------------------
+@pytest.fixture
+def s3(monkeypatch):
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"}.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="models")
+    yield client
+    server.stop()
+
+
+@pytest.mark.parametrize("var", ["OPTION_MODEL_ID", "HF_MODEL_ID"])
+def test_s3_model_id_is_downloaded_with_boto3(env, tmp_path, s3, var):
+    from serving.model import fetch_model
+
+    s3.put_object(Bucket="models", Key="llama/v1/config.json", Body=json.dumps(LLAMA3_8B).encode())
+    s3.put_object(Bucket="models", Key="llama/v1/model.safetensors", Body=b"\0" * 1000)
+    s3.put_object(Bucket="models", Key="llama/v1/tokenizer/tokenizer.json", Body=b"{}")
+    e = {**_no_model_id(env), var: "s3://models/llama/v1", "SERVING_DOWNLOAD_DIR": str(tmp_path / "dl")}
+    cfg = build_serving_config(e, CPU_BOX)
+    local = tmp_path / "dl" / "models" / "llama" / "v1"
+    assert cfg.model.s3_uri == "s3://models/llama/v1" and args_of(cfg)["--model"] == str(local)
+    assert cfg.footprint.bytes_per_token == KV_8B          # config.json only, at configuration
+    assert sorted(p.name for p in local.iterdir()) == ["config.json"]
+    assert fetch_model(cfg.model) == 2                     # the rest, before vLLM starts
+    assert (local / "tokenizer" / "tokenizer.json").read_bytes() == b"{}"
+    assert (local / "model.safetensors").stat().st_size == 1000
+    assert fetch_model(cfg.model) == 0                     # already there
+    with pytest.raises(ConfigError, match="cannot download the model from s3://nobucket/x"):
+        build_serving_config({**e, var: "s3://nobucket/x"}, CPU_BOX)
+
+
+# -- start-up timeout, ports, --print-config -----------------------------------------
+def test_startup_timeout_default_is_never_shorter_than_the_platforms(env):
+    assert build_serving_config(env, CPU_BOX).http.startup_timeout_s == 3600
+    assert build_serving_config({**env, "SAGEMAKER_STARTUP_TIMEOUT": "1800"}, CPU_BOX).http.startup_timeout_s == 1800
+
+
+def test_safe_port_range_reaches_the_engine(env):
+    cfg = build_serving_config({**env, "SAGEMAKER_SAFE_PORT_RANGE": "20000-20999"}, CPU_BOX)
+    assert dict(cfg.engine.env)["VLLM_PORT"] == "20000"
+    for bad, words in [({"SAGEMAKER_SAFE_PORT_RANGE": "20000"}, "not a port range"),
+                       ({"SAGEMAKER_SAFE_PORT_RANGE": "9-1"}, "not a port range"),
+                       ({"SAGEMAKER_SAFE_PORT_RANGE": "20000-20999", "VLLM_PORT": "1234"}, "outside")]:
+        with pytest.raises(ConfigError, match=words):
+            build_serving_config({**env, **bad}, CPU_BOX)
+
+
+def test_print_config_says_which_variable_set_what(env):
+    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096", "OPTION_DTYPE": "bf16",
+                                "SAGEMAKER_BIND_TO_PORT": "9000", "SAGEMAKER_SAFE_PORT_RANGE": "20000-20999",
+                                "KVCACHE_SIGNING_KEY": "s3cret"}, CPU_BOX)
+    text = cfg.describe()
+    for line in (f"HF_MODEL_ID={env['HF_MODEL_ID']}", "SM_VLLM_MAX_MODEL_LEN=4096", "-> --max-model-len 4096",
+                 "OPTION_DTYPE=bf16", "-> --dtype bfloat16", "SAGEMAKER_BIND_TO_PORT=9000", "-> port 9000",
+                 "SAGEMAKER_SAFE_PORT_RANGE=20000-20999", "VLLM_PORT=20000",
+                 "SAGEMAKER_STARTUP_TIMEOUT (default)", "-> start-up timeout (s) 3600",
+                 "KVCACHE_SIGNING_KEY=***"):
+        assert line in text, line
+    assert "s3cret" not in text
