@@ -4,7 +4,6 @@ to a local server answering as SageMaker's runtime does."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
@@ -21,10 +20,9 @@ from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sagemaker_endpoint", REPO / "deploy" / "sagemaker_endpoint.py")
-dep = importlib.util.module_from_spec(_spec)
-sys.modules["sagemaker_endpoint"] = dep  # dataclasses look their module up
-_spec.loader.exec_module(dep)
+sys.path.insert(0, str(REPO / "deploy"))   # the scripts import their siblings, as when run
+import sagemaker_endpoint as cli  # noqa: E402
+import sagemaker_requests as dep  # noqa: E402
 
 ARN = "arn:aws:sagemaker:us-east-1:123456789012:endpoint/kv"
 ROLE = "arn:aws:iam::123456789012:role/SageMakerExecution"
@@ -142,7 +140,7 @@ def test_curvine_conf_must_be_in_the_model_data(sm):
         s3stub.add_client_error("head_object", "404", "Not Found", http_status_code=404,
                                 expected_params=built["HeadObject"][1])
         with pytest.raises(ValueError, match="does not exist in the model data"):
-            dep.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3)
+            cli.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3)
         s3stub.add_response("head_object", {"ContentLength": 120}, built["HeadObject"][1])
         stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
                           built["CreateModel"][1])
@@ -152,7 +150,7 @@ def test_curvine_conf_must_be_in_the_model_data(sm):
                               expected_params={"EndpointName": "m"})
         stub.add_response("create_endpoint", {"EndpointArn": ARN},
                           {"EndpointName": "m", "EndpointConfigName": f"m-{STAMP}"})
-        assert dep.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3) == ARN
+        assert cli.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3) == ARN
 
 
 def test_shared_tier_needs_a_signing_key_and_vpc_needs_both_halves():
@@ -174,7 +172,7 @@ def test_deploy_creates_model_config_and_endpoint(sm):
     stub.add_response("create_endpoint", {"EndpointArn": ARN},
                       {"EndpointName": "llama3-kv", "EndpointConfigName": f"llama3-kv-{STAMP}",
                        "Tags": [{"Key": "team", "Value": "ml"}]})
-    assert dep.deploy(client_, SPEC, stamp=STAMP, wait=False, log=lambda *_: None) == ARN
+    assert cli.deploy(client_, SPEC, stamp=STAMP, wait=False, log=lambda *_: None) == ARN
 
 
 def test_redeploy_updates_in_place_and_waits(sm):
@@ -191,7 +189,7 @@ def test_redeploy_updates_in_place_and_waits(sm):
     stub.add_response("update_endpoint", {"EndpointArn": ARN},
                       {"EndpointName": "llama3-kv", "EndpointConfigName": f"llama3-kv-{STAMP}"})
     stub.add_response("describe_endpoint", described, {"EndpointName": "llama3-kv"})  # the waiter
-    assert dep.deploy(client_, SPEC, stamp=STAMP, wait=True, log=lambda *_: None) == ARN
+    assert cli.deploy(client_, SPEC, stamp=STAMP, wait=True, log=lambda *_: None) == ARN
 
 
 def test_uncompressed_model_data_and_no_routing(sm):
@@ -244,7 +242,7 @@ def test_delete(sm):
     stub.add_response("delete_endpoint", {}, {"EndpointName": "kv"})
     stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": "c1"})
     stub.add_response("delete_model", {}, {"ModelName": "m1"})
-    dep.delete(client_, "kv", log=lambda *_: None)
+    cli.delete(client_, "kv", log=lambda *_: None)
 
 
 class _Runtime(BaseHTTPRequestHandler):
@@ -277,13 +275,13 @@ def test_invoke_opens_uses_and_closes_a_session_over_http():
     try:
         rt = boto3.client("sagemaker-runtime", region_name="us-east-1", aws_access_key_id="x",
                           aws_secret_access_key="x", endpoint_url=f"http://127.0.0.1:{server.server_port}")
-        answer, sid = dep.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="user-7")
+        answer, sid = cli.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="user-7")
         assert answer == {"generated_text": "hi"} and sid == "sess-1"
-        answer, sid = dep.invoke(rt, "kv", {"inputs": "more"}, session_id=sid)
+        answer, sid = cli.invoke(rt, "kv", {"inputs": "more"}, session_id=sid)
         assert sid == "sess-1"
-        _, sid = dep.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
+        _, sid = cli.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
         assert sid is None
-        _, sid = dep.invoke(rt, "kv", {"inputs": "stateless"})
+        _, sid = cli.invoke(rt, "kv", {"inputs": "stateless"})
         assert sid is None
     finally:
         server.shutdown()
@@ -304,14 +302,14 @@ def test_invoke_through_the_stubber_validates_the_parameters():
             "NewSessionId": "abc; Expires=2026-01-01T00:20:00Z"},
             {"EndpointName": "kv", "ContentType": "application/json", "Accept": "application/json",
              "Body": json.dumps({"inputs": "hi"}), "SessionId": "NEW_SESSION", "PrefixAwareId": "u1"})
-        answer, sid = dep.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="u1")
+        answer, sid = cli.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="u1")
     assert answer == {"generated_text": "hi"} and sid == "abc"
 
 
 def test_cli_dry_run_validates_and_hides_the_secrets(capsys, monkeypatch):
     monkeypatch.setenv("MY_HF_TOKEN", "hf_secret")
     monkeypatch.setenv("MY_KV_KEY", "kv_secret_key")
-    assert dep.main(["--name", "kv", "--image", IMAGE, "--role", ROLE,
+    assert cli.main(["--name", "kv", "--image", IMAGE, "--role", ROLE,
                      "--region", "us-east-1", "--hf-model-id", "org/model", "--hf-token-env", "MY_HF_TOKEN",
                      "--model-data", "s3://b/models/m/", "--shared-url", "curvine:///kvcache/m",
                      "--curvine-conf", "curvine/curvine-cluster.toml", "--signing-key-env", "MY_KV_KEY",
@@ -325,7 +323,7 @@ def test_cli_dry_run_validates_and_hides_the_secrets(capsys, monkeypatch):
     assert shown["HeadObject"] == {"Bucket": "b", "Key": "models/m/curvine/curvine-cluster.toml"}
     assert shown["CreateModel"]["VpcConfig"]["Subnets"] == ["subnet-0a1b", "subnet-2c3d"]
     with pytest.raises(SystemExit):
-        dep.main(["--name", "kv", "--image", IMAGE, "--role", ROLE, "--startup-timeout", "9000", "--dry-run"])
+        cli.main(["--name", "kv", "--image", IMAGE, "--role", ROLE, "--startup-timeout", "9000", "--dry-run"])
     assert "maximum 3600" in capsys.readouterr().err
 
 
@@ -338,5 +336,5 @@ def test_readme_deploy_example_passes_the_dry_run(capsys, monkeypatch):
     argv = [a.replace("<tag>", "abc123") for a in argv]
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     monkeypatch.setenv("KVCACHE_KEY", "k" * 32)
-    assert dep.main(argv + ["--dry-run"]) == 0
+    assert cli.main(argv + ["--dry-run"]) == 0
     json.loads(capsys.readouterr().out)

@@ -4,7 +4,6 @@ CRD schema (kept verbatim in deploy/schemas/) and against what its pod can see."
 from __future__ import annotations
 
 import copy
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "deploy" / "hyperpod_inference_endpoint.yaml"
-_spec = importlib.util.spec_from_file_location("hyperpod_check", REPO / "deploy" / "hyperpod_check.py")
-check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check)
+sys.path.insert(0, str(REPO / "deploy"))
+import hyperpod_check as check  # noqa: E402
 
 
 def manifest() -> dict:
