@@ -104,28 +104,39 @@ def delete(sm, name: str, log=print) -> None:
 
 def invoke(runtime, endpoint: str, body: dict, session_id: Optional[str] = None,
            prefix_aware_id: Optional[str] = None) -> tuple[Any, Optional[str]]:
-    """One invocation (``boto3.client("sagemaker-runtime")``); returns the JSON answer and
-    the session to use next.
+    """One invocation (``boto3.client("sagemaker-runtime")``); returns the answer (JSON,
+    or the text of a non-JSON answer) and the session to use next.
 
-    ``session_id="NEW_SESSION"`` opens a stateful session: SageMaker answers with
-    ``NewSessionId`` ("<id>; Expires=<time>") and the id is returned; an existing id is
-    returned as is, or None once the answer carries ``ClosedSessionId``.
+    ``session_id="NEW_SESSION"`` opens a stateful session first (the container's session
+    request, ``{"requestType": "NEW_SESSION"}``; SageMaker answers ``NewSessionId``,
+    "<id>; Expires=<time>"), then sends ``body`` in it and returns the new id. An existing
+    id is passed on and returned as is, or None once the answer carries ``ClosedSessionId``.
     ``prefix_aware_id`` is the routing hint of prefix-aware routing (``PrefixAwareId``):
     requests with the same hint and prefix go to the same instance."""
-    kwargs: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json",
-                              "Accept": "application/json", "Body": json.dumps(body)}
+    base: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json",
+                            "Accept": "application/json"}
+    if prefix_aware_id:
+        base["PrefixAwareId"] = prefix_aware_id
+    if session_id == "NEW_SESSION" and "requestType" not in body:
+        opened = runtime.invoke_endpoint(**base, Body=json.dumps({"requestType": "NEW_SESSION"}),
+                                         SessionId="NEW_SESSION")
+        if not opened.get("NewSessionId"):
+            raise RuntimeError(f"endpoint {endpoint} opened no session (are stateful sessions on?)")
+        session_id = opened["NewSessionId"].split(";")[0].strip()
+    kwargs = {**base, "Body": json.dumps(body)}
     if session_id:
         kwargs["SessionId"] = session_id
-    if prefix_aware_id:
-        kwargs["PrefixAwareId"] = prefix_aware_id
     resp = runtime.invoke_endpoint(**kwargs)
     if resp.get("NewSessionId"):
         session_id = resp["NewSessionId"].split(";")[0].strip()
     elif resp.get("ClosedSessionId"):
         session_id = None
-    elif session_id == "NEW_SESSION":
-        session_id = None   # the container opened no session
-    return json.loads(resp["Body"].read() or b"null"), session_id
+    raw = resp["Body"].read()
+    try:
+        answer = json.loads(raw) if raw else None
+    except ValueError:  # session create/close answers are plain text
+        answer = raw.decode("utf-8", "replace")
+    return answer, session_id
 
 
 def _kv(items: list[str]) -> dict[str, str]:

@@ -254,13 +254,16 @@ class _Runtime(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).seen.append({"path": self.path, "body": body.decode(), **{k.lower(): v for k, v in self.headers.items()}})
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
         sid = self.headers.get("X-Amzn-SageMaker-Session-Id")
-        if sid == "NEW_SESSION":
-            self.send_header("X-Amzn-SageMaker-New-Session-Id", "sess-1; Expires=2026-01-01T00:20:00Z")
-        elif json.loads(body).get("requestType") == "CLOSE":
-            self.send_header("X-Amzn-SageMaker-Closed-Session-Id", sid)
+        kind = json.loads(body).get("requestType")
         answer = json.dumps({"generated_text": "hi"}).encode()
+        if kind == "NEW_SESSION" and sid == "NEW_SESSION":  # session answers are plain text
+            self.send_header("X-Amzn-SageMaker-New-Session-Id", "sess-1; Expires=2026-01-01T00:20:00Z")
+            answer = b"Session sess-1 created"
+        elif kind == "CLOSE":
+            self.send_header("X-Amzn-SageMaker-Closed-Session-Id", sid)
+            answer = b"Session closed"
+        self.send_header("Content-Type", "application/json" if answer.startswith(b"{") else "text/plain")
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
         self.wfile.write(answer)
@@ -285,23 +288,29 @@ def test_invoke_opens_uses_and_closes_a_session_over_http():
         assert sid is None
     finally:
         server.shutdown()
-    first, second, _, last = _Runtime.seen[-4:]
-    assert first["path"] == "/endpoints/kv/invocations" and json.loads(first["body"]) == {"inputs": "hi"}
-    assert first["x-amzn-sagemaker-session-id"] == "NEW_SESSION"
-    assert first["x-amzn-sagemaker-prefix-aware-id"] == "user-7"
-    assert second["x-amzn-sagemaker-session-id"] == "sess-1"
+    opened, first, second, closed, last = _Runtime.seen[-5:]
+    assert opened["path"] == "/endpoints/kv/invocations" and json.loads(opened["body"]) == {"requestType": "NEW_SESSION"}
+    assert opened["x-amzn-sagemaker-session-id"] == "NEW_SESSION"
+    assert json.loads(first["body"]) == {"inputs": "hi"} and first["x-amzn-sagemaker-session-id"] == "sess-1"
+    assert opened["x-amzn-sagemaker-prefix-aware-id"] == first["x-amzn-sagemaker-prefix-aware-id"] == "user-7"
+    assert second["x-amzn-sagemaker-session-id"] == "sess-1" and closed["x-amzn-sagemaker-session-id"] == "sess-1"
     assert "x-amzn-sagemaker-prefix-aware-id" not in second and "x-amzn-sagemaker-session-id" not in last
 
 
 def test_invoke_through_the_stubber_validates_the_parameters():
     rt = client("sagemaker-runtime")
     body = json.dumps({"generated_text": "hi"}).encode()
+    created = b"Session abc created"
+    common = {"EndpointName": "kv", "ContentType": "application/json", "Accept": "application/json",
+              "PrefixAwareId": "u1"}
     with Stubber(rt) as stub:
         stub.add_response("invoke_endpoint", {
-            "Body": StreamingBody(io.BytesIO(body), len(body)), "ContentType": "application/json",
+            "Body": StreamingBody(io.BytesIO(created), len(created)), "ContentType": "text/plain",
             "NewSessionId": "abc; Expires=2026-01-01T00:20:00Z"},
-            {"EndpointName": "kv", "ContentType": "application/json", "Accept": "application/json",
-             "Body": json.dumps({"inputs": "hi"}), "SessionId": "NEW_SESSION", "PrefixAwareId": "u1"})
+            {**common, "Body": json.dumps({"requestType": "NEW_SESSION"}), "SessionId": "NEW_SESSION"})
+        stub.add_response("invoke_endpoint", {
+            "Body": StreamingBody(io.BytesIO(body), len(body)), "ContentType": "application/json"},
+            {**common, "Body": json.dumps({"inputs": "hi"}), "SessionId": "abc"})
         answer, sid = cli.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="u1")
     assert answer == {"generated_text": "hi"} and sid == "abc"
 
