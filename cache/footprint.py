@@ -2,10 +2,7 @@
 
 Pure arithmetic on a Hugging Face config (no torch, no vLLM); runs wherever it is
 called: at server start-up (``serving.sizing`` turns tier sizes into token counts
-with it) and on the command line::
-
-    python -m cache.footprint MODEL_DIR_OR_CONFIG_JSON --context 131072 \
-        [--cpu-size 64GiB] [--disk-size 2TB] [--kv-dtype fp8] [--json]
+with it) and by the command-line tool ``python -m cache.tools.footprint``.
 
 Layouts:
 - multi-head / grouped-query / multi-query attention: K and V per layer,
@@ -29,14 +26,13 @@ Llama 3 70B (80 layers, 8 KV heads, head dim 128, bf16): 327,680 bytes per token
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from cache.layer_kinds import layer_kinds
+from cache.sizes import human_bytes
 
 _DTYPE_BYTES = {
     "float32": 2,  # served in 16 bits by vLLM's --dtype auto
@@ -217,14 +213,6 @@ def load_hf_config(path: str | os.PathLike) -> dict:
         raise FootprintError(f"{p} is not valid JSON: {e}") from None
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
     """Per-token and per-request bytes, and what each tier (name -> bytes) holds."""
     return {
@@ -236,47 +224,3 @@ def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
                          "requests": fp.requests_in(n, context)}
                   for name, n in tiers.items()},
     }
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from cache.config import ConfigError, parse_size
-
-    p = argparse.ArgumentParser(prog="python -m cache.footprint",
-                                description="KV cache bytes per token and per request of a model.")
-    p.add_argument("model", help="model folder or config.json file")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per request (default: the model's max_position_embeddings)")
-    p.add_argument("--kv-dtype", default=None, help="vLLM --kv-cache-dtype (auto, fp8, ...)")
-    for tier in ("cpu", "disk", "remote"):
-        p.add_argument(f"--{tier}-size", default=None, help=f"{tier} tier size, e.g. 64GiB, 2TB")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    args = p.parse_args(argv)
-    try:
-        fp = footprint_from_config(load_hf_config(args.model), args.kv_dtype)
-        tiers = {name: parse_size(text, None, f"--{name}-size")
-                 for name, text in (("cpu", args.cpu_size), ("disk", args.disk_size),
-                                    ("remote", args.remote_size)) if text}
-    except (FootprintError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    context = args.context or fp.max_context or 0
-    if context <= 0:
-        print("error: give --context (the config has no max_position_embeddings)", file=sys.stderr)
-        return 2
-    out = report(fp, context, tiers)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(fp.describe())
-    print(f"one {context:,}-token request: {out['bytes_per_request']:,} bytes "
-          f"({human_bytes(out['bytes_per_request'])})")
-    if fp.hybrid:
-        print(f"without the hybrid KV cache manager: {fp.full_layout_bytes_per_token:,} bytes per token")
-    for name, t in out["tiers"].items():
-        print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = "
-              f"{t['requests']:,} such requests")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

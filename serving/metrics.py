@@ -6,7 +6,7 @@ tokens by source (``vllm:prompt_tokens_by_source``: computed, vLLM's prefix cach
 connector), generated tokens, TTFT over all requests, and the cache's own counters per
 tier, which ``TieredKVConnector`` reports through vLLM's connector-stats pipeline
 (``kvcache:tier_hits_total``, ``kvcache:tier_tokens_loaded_total``,
-``kvcache:tier_used_bytes`` ... see ``cache/connector/metrics.py``).
+``kvcache:tier_used_bytes`` ... see ``cache/vllm/metrics.py``).
 
 Ours, from two sources, neither of which blocks a request:
 - request outcomes, recorded on the event loop when a request finishes (``observe``):
@@ -115,7 +115,7 @@ class NvmlEnergy:
 class ServingMetrics:
     """Our metrics, in their own registry (rendered after vLLM's).
 
-    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``remote``), to
+    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``shared``), to
     name the slowest tier that served a request.
     """
 

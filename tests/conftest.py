@@ -23,7 +23,9 @@ def model_path() -> str:
 
 
 def engine_env() -> dict:
-    env = dict(os.environ)
+    """This environment for an engine subprocess, without cache settings of the caller's
+    shell (each test gives its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env

@@ -4,7 +4,11 @@ Used by the engine tests as a subprocess (vLLM spawns workers, so each engine li
 its own process). Reads a JSON spec from argv[1], writes one JSON line per generate
 step to stdout prefixed with ``RESULT ``.
 
-Spec: {"model": PATH, "cache": {kvcache_* settings}, "prefix_caching": bool, "log_stats": bool,
+The connector reads its configuration as under a plain ``vllm serve``: each engine process
+builds it from its own ``KVCACHE_*`` environment (``spec["cache"]``, set here before vLLM
+starts its processes).
+
+Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
        "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"reset_prefix_cache": true} |
                  {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
                  {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX}]}
@@ -41,15 +45,14 @@ def corrupt_entries(folder: str) -> int:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    os.environ.update(spec["cache"])  # inherited by the engine's processes
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
-        kv_connector="TieredKVConnector",
-        kv_connector_module_path="cache.vllm_connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=spec["cache"],
-    )
+    from cache.vllm import CONNECTOR_CLASS, CONNECTOR_MODULE
+
+    transfer = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
+                                kv_role="kv_both")
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
               enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
               seed=0, disable_log_stats=not spec.get("log_stats", False))

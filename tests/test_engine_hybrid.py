@@ -46,7 +46,7 @@ def producer(gemma3_path, tmp):
     log: list = []
     results = run_engine({
         "model": gemma3_path,
-        "cache": cache_spec(tmp, "p", cpu_size="0", disk=tmp / "disk"),
+        "cache": cache_spec(tmp, "p", dram_size="0", disk=tmp / "disk"),
         "steps": [
             {"engine": True},
             {"prompt_token_ids": P1},

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from cache.footprint import FootprintError, footprint_from_config, load_hf_config, main
+from cache.footprint import FootprintError, footprint_from_config, load_hf_config
+from cache.tools.footprint import main
 
 LLAMA3_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
@@ -97,18 +98,18 @@ def test_missing_config_is_an_error(tmp_path):
 
 
 def test_cli_json(llama_dir, capsys):
-    assert main([str(llama_dir), "--context", "131072", "--cpu-size", "100GiB",
+    assert main([str(llama_dir), "--context", "131072", "--dram-size", "100GiB",
                  "--disk-size", "1TB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bytes_per_token"] == 327_680
     assert out["bytes_per_request"] == 42_949_672_960
-    assert out["tiers"]["cpu"] == {"bytes": 100 * 2**30, "tokens": 327_680,
+    assert out["tiers"]["dram"] == {"bytes": 100 * 2**30, "tokens": 327_680,
                                    "requests": 2}
     assert out["tiers"]["disk"]["requests"] == 10**12 // 42_949_672_960
 
 
 def test_cli_text_defaults_to_max_context(llama_dir):
-    run = subprocess.run([sys.executable, "-m", "cache.footprint", str(llama_dir / "config.json")],
+    run = subprocess.run([sys.executable, "-m", "cache.tools.footprint", str(llama_dir / "config.json")],
                          capture_output=True, text=True, check=True)
     assert "327,680 bytes" in run.stdout
     assert "one 131,072-token request: 42,949,672,960 bytes (40.0 GiB)" in run.stdout
@@ -118,7 +119,7 @@ def test_cli_errors_are_messages(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
-    assert main([str(tmp_path), "--cpu-size", "lots"]) == 2
+    assert main([str(tmp_path), "--cpu-size", "lots"]) == 2  # the old flag name still works
     assert "is not a size" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
-"""Hybrid models without an engine: which KV cache groups are stored how, what a hit needs
-(cache.connector.groups), the scheduler's plans for a sliding-window + full model, copies
-across groups, and the cache-off report."""
+"""Hybrid models without an engine: which KV cache groups are stored how, what a hit
+needs (cache.vllm.groups, cache.vllm.hits), the scheduler's plans for a sliding-window +
+full model, copies across groups, and the cache-off report."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from cache.assembly import build_tiers
 from cache.config import build_cache_config
-from cache.connector.groups import (
+from cache.vllm.groups import (
     EntryKind,
     GroupLayout,
     checkpoints,
@@ -17,14 +18,13 @@ from cache.connector.groups import (
     plan_hit,
     window_chunks,
 )
-from cache.connector.metrics import TieredKVStats
-from cache.connector.off import CacheOff
-from cache.connector.scheduler import SchedulerSide
+from cache.vllm.metrics import TieredKVStats
+from cache.vllm.off import CacheOff
+from cache.vllm.scheduler import SchedulerSide
 from cache.keys import Namespace
-from cache.kv_copy import BlockCopier, KVLayout
+from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
-from cache.tiers import make_tiers
 
 B, C = 128, 256
 FULL = EntryKind("", (3,), ("l3",), (0,))
@@ -111,14 +111,14 @@ def tokens(seed, n):
 
 @pytest.fixture
 def hybrid(tmp_path):
-    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "16MiB",
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_SIZE": "0"})
     ns = Namespace("m", "d", "bfloat16", "hybrid", chunk_tokens=C)
     # four groups, 20 blocks each: group g's block j is 1000 * (g + 1) + j
     blocks = tuple([1000 * (g + 1) + j for j in range(20)] for g in range(4))
     manager = SimpleNamespace(get_block_ids=lambda req_id: blocks)
     side = SchedulerSide(cfg, [ns], B, lambda: manager, LAYOUT)
-    writer = TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy()])
+    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy()])
     return side, writer, blocks
 
 
@@ -206,14 +206,14 @@ def test_copies_span_groups_each_with_its_own_blocks():
     entry = copier.gather([1, 2, 7, 8])  # group 0: blocks 1, 2; group 1: blocks 7, 8
     assert tuple(entry.shape) == (2, 2, 2, 4, 8)
     assert torch.equal(entry[0, 1], pool[2]) and torch.equal(entry[1, 0], pool[7])
-    copier.scatter([4, 10], entry, first=1)  # each group's second block into block 4 and 10
+    copier.scatter([4, 10], entry, skip_blocks=1)  # each group's second block into block 4 and 10
     assert torch.equal(pool[4], pool[2]) and torch.equal(pool[10], pool[8])
     with pytest.raises(ValueError):
         copier.gather([1, 2, 3])
 
 
 def test_a_model_the_cache_cannot_serve_reports_the_tiers_off_once(tmp_path):
-    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "1MiB",
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB"})
     off = CacheOff(cfg)
     assert off.get_num_new_matched_tokens(req("a", [1, 2, 3]), 0) == (0, False)

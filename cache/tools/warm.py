@@ -1,13 +1,14 @@
 """Pre-warming: compute the KV of given prompt prefixes once and publish it to the shared
 tier (L3), so every endpoint of the model starts warm.
 
-    python -m cache.warm PROMPTS.jsonl --model /opt/ml/model [--max-model-len N] [--batch N]
+    python -m cache.tools.warm PROMPTS.jsonl --model /opt/ml/model [--max-model-len N] [--batch N]
 
 ``PROMPTS.jsonl`` holds one JSON object per line with ``"prompt"`` (text),
 ``"prompt_token_ids"`` (a list of ints) or ``"messages"`` (a chat, rendered with the
-model's chat template and the generation prompt, as the chat route renders it). Cache
-settings come from the ``KVCACHE_*`` environment, as for serving; ``KVCACHE_REMOTE_URL``
-must name the shared tier.
+model's chat template and the generation prompt, as the chat route renders it); it is
+read by ``cache.prompts.read_prompt_file``, as in the server's start-up check. Cache settings
+come from the ``KVCACHE_*`` environment, as for serving (or, from the server, the
+connector configuration it resolved); ``KVCACHE_SHARED_URL`` must name the shared tier.
 
 How: a vLLM engine with ``TieredKVConnector`` runs each batch of prompts twice with
 ``max_tokens=1``. The first pass computes the chunks and stores them in the local tiers;
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from cache.config import ConfigError, build_cache_config
+from cache.config import ConfigError, config_from_connector, read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +42,23 @@ class WarmReport:
     tokens: int = 0
     seconds: float = 0.0
     # Tokens the second pass loaded, per tier: "dram"/"disk" were published now,
-    # "remote" were shared already.
+    # "shared" were shared already.
     reloaded: dict[str, int] = field(default_factory=dict)
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
     """Token ids of every prompt in the JSON-lines file ``path``."""
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                prompts.append(prompt_tokens(obj, tokenizer))
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-    return prompts
+    return tokenize(path, read_prompt_file(path), tokenizer)
+
+
+def tokenize(path: str, prompts: list[dict], tokenizer) -> list[list[int]]:
+    out = []
+    for n, obj in enumerate(prompts, 1):
+        try:
+            out.append(prompt_tokens(obj, tokenizer))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{path!r}, prompt {n}: {e}") from None
+    return out
 
 
 def prompt_tokens(obj: dict, tokenizer) -> list[int]:
@@ -107,35 +108,37 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
          cache: Optional[dict[str, Any]] = None, **engine_args) -> WarmReport:
     """Publish the KV of the prompts in ``prompts_path`` to the shared tier.
 
-    ``cache``: ``kvcache_*`` settings (override the ``KVCACHE_*`` environment);
-    ``engine_args``: more ``vllm.LLM`` arguments (``max_model_len``, ``dtype`` ...).
-    Raises ``ConfigError`` when no shared tier is configured."""
-    config = build_cache_config(extra=cache or {})
-    if not config.has_remote:
-        raise ConfigError("warming needs a shared tier: set KVCACHE_REMOTE_URL")
+    ``cache``: the connector's ``kv_connector_extra_config`` (the configuration the server
+    resolved), or None: the ``KVCACHE_*`` environment; ``engine_args``: more ``vllm.LLM``
+    arguments (``max_model_len``, ``dtype`` ...). Raises ``ConfigError`` when no shared
+    tier is configured or the prompts file is bad."""
+    config = config_from_connector(cache or {})
+    if not config.has_shared:
+        raise ConfigError("warming needs a shared tier: set KVCACHE_SHARED_URL")
+    objs = read_prompt_file(prompts_path)  # before an engine starts
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="TieredKVConnector",
-                                kv_connector_module_path="cache.vllm_connector",
-                                kv_role="kv_both", kv_connector_extra_config=dict(cache or {}))
+    from cache.vllm import kv_transfer_config
+
+    transfer = KVTransferConfig(**kv_transfer_config(config))
     llm = LLM(model, kv_transfer_config=transfer, enable_prefix_caching=True, **engine_args)
     try:
-        prompts = read_prompts(prompts_path, llm.get_tokenizer())
+        prompts = tokenize(prompts_path, objs, llm.get_tokenizer())
         report = warm_engine(llm, prompts, batch_size)
     finally:
         shutdown_engine(llm)
-    published = sum(n for tier, n in report.reloaded.items() if tier != "remote")
+    published = sum(n for tier, n in report.reloaded.items() if tier != "shared")
     log.info("kvcache: warmed %d prompts (%d tokens) in %.1f s: %d tokens published now, %d already "
-             "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("remote", 0))
+             "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("shared", 0))
     if report.prompts and not report.reloaded:
         log.warning("kvcache: warm-up reloaded nothing: are the local tiers large enough for one "
-                    "batch (KVCACHE_CPU_SIZE, KVCACHE_DISK_SIZE, --batch)?")
+                    "batch (KVCACHE_DRAM_SIZE, KVCACHE_DISK_SIZE, --batch)?")
     return report
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cache.warm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cache.tools.warm", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompts", help="JSON-lines file of prompts")
     parser.add_argument("--model", default="/opt/ml/model", help="model path or id (default /opt/ml/model)")
     parser.add_argument("--max-model-len", type=int, default=None)

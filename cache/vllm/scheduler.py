@@ -25,6 +25,11 @@ lookups use the same cut. A hit loads up to *n - 1* tokens (vLLM computes the la
 token for its logits), so the same prompt sent again costs one token of compute, and a
 prompt that extends an earlier one hits its whole chunks. A tail's last block is
 partly filled: only its first positions are loaded, and vLLM writes the rest.
+
+Hybrid models (``cache.vllm.groups``): each chunk has an entry per entry kind (full
+attention under the chunk key, sliding windows only at checkpoints); ``cache.vllm.hits``
+finds the longest hit every kind can serve and plans its loads, which are always
+asynchronous (vLLM takes only whole-request load failures for several KV cache groups).
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from cache.assembly import lookup_view
 from cache.config import CacheConfig
-from cache.connector.groups import GroupLayout, checkpoints, plan_hit, window_chunks
-from cache.connector.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.keys import Namespace, chunk_keys
-from cache.store import TieredStore
-from cache.tiers import make_tiers
+from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunks
+from cache.vllm.hits import entry, find_hit, plan_loads
+from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -76,7 +81,7 @@ class Chunk:
     parent: Optional[str]
     start: int  # first token
     end: int    # one past the last token
-    keys: tuple[str, ...] = ()  # entry key per entry kind (hybrid models; groups.EntryKind)
+    keys: tuple[str, ...] = ()  # entry key per entry kind (groups.EntryKind.key)
 
 
 @dataclass
@@ -110,11 +115,16 @@ class SchedulerSide:
         self.chunk = config.chunk_tokens
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
-        self.views = [TieredStore(make_tiers(config, ns.id), ns.digest) for ns in namespaces]
+        self.views = [lookup_view(config, ns) for ns in namespaces]
+        # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
+        # tiers load before the forward pass (the others load on worker threads).
+        specs = config.tiers()
+        self.tier_names = [t.name for t in specs]
+        self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
-        self.lookup_wait = min(config.remote_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.remote_url else 0.0
+        self.lookup_wait = min(config.shared_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.has_shared else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
@@ -155,15 +165,6 @@ class SchedulerSide:
         return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
                 for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
 
-    def _entry(self, st: RequestState, kind: int, i: int) -> tuple[str, Optional[str]]:
-        """Key and parent of chunk ``i``'s entry of ``kind``: full attention chains chunk
-        to chunk; a window entry hangs off its chunk's first-kind entry, so prefix-aware
-        policies drop it before the chunk it serves."""
-        c = st.chunks[i]
-        if kind == 0:
-            return c.keys[0], (st.chunks[i - 1].keys[0] if i else None)
-        return c.keys[kind], c.keys[0]
-
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change what the tokens' KV is without
         # changing the token ids: such prompts are never keyed, stored or loaded.
@@ -184,7 +185,8 @@ class SchedulerSide:
         st.pending_load = None
         if not self._wants(request, "load"):
             return 0, False
-        plan, missing = self._find_hit(st, num_computed_tokens)
+        # The longest hit every entry kind can serve, and the keys that would make it longer.
+        plan, missing = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
         if (missing and st.chunks[-1].end > num_computed_tokens
                 and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
             return None, False  # ask again at the next step
@@ -195,70 +197,13 @@ class SchedulerSide:
             return 0, False
         hit_end = plan.hit_end
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
-        # Only the top local tier (DRAM) loads before the forward pass; the rest, and the
-        # shared tier even when it is the only one, load on worker threads. So do hybrid
-        # models' loads: vLLM takes only request-level load failures for them.
-        first = self.views[0].tiers[0] if self.views[0].n_local else None
-        sync_tier = 0 if first is not None and first.name == "dram" and not self.layout.hybrid else -1
-        asynchronous = any(x.tier != sync_tier for x in plan.loads)
-        names = [t.name for t in self.views[0].tiers]
-        slowest: dict[int, int] = {}
-        for x in plan.loads:
-            slowest[x.chunk] = max(slowest.get(x.chunk, -1), x.tier)
-        st.planned = {}
-        tokens: dict[int, int] = {}  # per chunk: its tokens in the hit
-        for i in range(plan.chunks):
-            c = st.chunks[i]
-            if c.end > num_computed_tokens:
-                tokens[i] = min(c.end, hit_end) - max(c.start, num_computed_tokens)
-                name = names[slowest.get(i, max(slowest.values()))]
-                st.planned[name] = st.planned.get(name, 0) + tokens[i]
-        # A chunk's tokens are counted once, with its first entry loaded; those of chunks
-        # with no entry to load (outside every window) with the first entry of all.
-        rest = sum(n for i, n in tokens.items() if i not in slowest)
-        chunks = []
-        for x in plan.loads:
-            key, parent = self._entry(st, x.kind, x.chunk)
-            c = st.chunks[x.chunk]
-            held_from = self.layout.kinds[x.kind].blocks(c.start, c.end, self.block_size)[0]
-            n = tokens.pop(x.chunk, 0) + (rest if not chunks else 0)
-            chunks.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n))
+        # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
+        # chunk from another tier makes the whole load asynchronous (worker threads). So do
+        # hybrid models' loads: vLLM takes only request-level load failures for them.
+        asynchronous = self.layout.hybrid or any(x.tier not in self.sync_tiers for x in plan.loads)
+        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
         return hit_end - num_computed_tokens, asynchronous
-
-    def _find_hit(self, st: RequestState, computed: int):
-        """The longest hit every entry kind can serve (``groups.plan_hit``), and the keys
-        that would make it longer but are missing (to wait for saves or the shared tier)."""
-        kinds = self.layout.kinds
-        memo: dict[str, Optional[int]] = {}
-
-        def tier_of(key: str) -> Optional[int]:
-            # A chunk counts when every rank has it; it loads from the slowest tier any rank holds it in.
-            if key not in memo:
-                found = [v.lookup([key]) for v in self.views]
-                memo[key] = max(f[0] for f in found) if all(found) else None
-            return memo[key]
-
-        full = next((i for i, k in enumerate(kinds) if k.full), None)
-        if full is not None:
-            keys = [c.keys[full] for c in st.chunks]
-            per_view = [v.lookup(keys) for v in self.views]
-            run = min(map(len, per_view)) if per_view else 0
-            full_tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(run)]
-            missing = keys[run:]
-        else:
-            run, full_tiers, missing = len(st.chunks), [], []
-        bounds = [(c.start, c.end) for c in st.chunks]
-        plan = plan_hit(self.layout, bounds, st.n_tokens, computed, run,
-                        lambda kind, i: tier_of(st.chunks[i].keys[kind]), full_tiers)
-        if st.chunks and self.layout.windows:  # the windows the whole prompt's hit needs
-            longest = min(st.chunks[-1].end, st.n_tokens - 1)
-            for w, kind in enumerate(kinds):
-                if not kind.full:
-                    need = window_chunks(kind, bounds, {longest}, self.block_size)
-                    missing += [st.chunks[i].keys[w] for i in sorted(need)
-                                if st.chunks[i].end > computed and tier_of(st.chunks[i].keys[w]) is None]
-        return plan, missing
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -287,8 +232,7 @@ class SchedulerSide:
         """Workers settled these saves (one entry per rank). A shared tier's view asks
         about them again (this engine may just have published them)."""
         for view in self.views:
-            if view.shared is not None:
-                view.shared.recheck(keys)
+            view.recheck_shared(keys)
         for key in keys:
             pending = self._saving.get(key)
             if pending is not None:
@@ -305,14 +249,11 @@ class SchedulerSide:
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
         by_key = {key: c for c in st.chunks for key in c.keys}
-        b = self.block_size
         for chunk in load.chunks:
             c = by_key[chunk.key]
-            kind = self.layout.kinds[chunk.kind]
-            end = min(c.end, load.hit_end)  # the last token is computed, not loaded
-            first = kind.blocks(c.start, c.end, b)[0] + chunk.first
-            # one run of blocks per group of the kind, back to back (a single group: its blocks)
-            chunk.block_ids = [i for g in kind.group_ids for i in block_ids[g][first: -(-end // b)]]
+            # the last token is computed, not loaded (hit_end <= n_tokens - 1)
+            chunk.block_ids = self.layout.kinds[chunk.kind].load_blocks(
+                c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size)
         self._loads.append(load)
         st.issued.extend(load.chunks)
 
@@ -333,28 +274,23 @@ class SchedulerSide:
             block_ids = null = None
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
                 i = st.next_save
+                c = st.chunks[i]
                 st.next_save += 1
                 for k, kind in enumerate(self.layout.kinds):
                     if not kind.full and i not in st.window_saves.get(k, ()):
                         continue  # no checkpoint needs this chunk's window
-                    key, parent = self._entry(st, k, i)
-                    if key in self._saving or all(v.lookup([key], local_only=v.n_local > 0) for v in self.views):
+                    key, parent = entry(st.chunks, k, i)
+                    if key in self._saving or all(v.lookup([key], local_only=v.has_local) for v in self.views):
                         continue  # being saved, or stored (by us, another engine, an earlier turn)
                     if block_ids is None:
-                        block_ids = self._kv_manager().get_block_ids(req_id)
-                        null = self._null_block()
-                    first, last = kind.blocks(st.chunks[i].start, st.chunks[i].end, self.block_size)
-                    runs = [block_ids[g][first:last] for g in kind.group_ids]
-                    if not kind.full and any(len(r) != last - first or null in r for r in runs):
+                        block_ids = self._kv_manager().get_block_ids(req_id)  # one list per group
+                        null = null_block(self._kv_manager())
+                    ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
+                    if ids is None:
                         continue  # vLLM freed part of the window (never expected): a future miss
-                    meta.saves.append(ChunkIO(key, parent, [b for r in runs for b in r], kind=k))
+                    meta.saves.append(ChunkIO(key, parent, ids, kind=k))
                     self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
-
-    def _null_block(self) -> int:
-        """vLLM's null block id: what a sliding-window group's freed blocks show as."""
-        pool = getattr(self._kv_manager(), "block_pool", None)
-        return pool.null_block.block_id if pool is not None else 0
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """Workers could not load these blocks (entry gone, damaged, foreign, late).
@@ -366,8 +302,7 @@ class SchedulerSide:
             if bad is None:
                 continue
             for view in self.views:
-                if view.shared is not None:
-                    view.shared.reject(bad.key)
+                view.reject_shared(bad.key)
 
     def requests_failed(self, req_ids: set[str]) -> None:
         """Hybrid models report load failures per request (vLLM recomputes them whole):
@@ -375,9 +310,8 @@ class SchedulerSide:
         for req_id in req_ids:
             st = self.requests.get(req_id)
             for view in (self.views if st is not None else ()):
-                if view.shared is not None:
-                    for c in st.issued:
-                        view.shared.reject(c.key)
+                for c in st.issued:
+                    view.reject_shared(c.key)
 
     def get_stats(self) -> None:
         return None  # the workers report the cache's counters

@@ -3,20 +3,23 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector":"TieredKVConnector",
-                           "kv_connector_module_path":"cache.vllm_connector",
+                           "kv_connector_module_path":"cache.vllm.connector",
                            "kv_role":"kv_both"}'
 
 vLLM builds one instance with the scheduler role (engine-core process) and one per
 worker. This file is thin: each call goes to ``SchedulerSide`` or ``WorkerSide``.
 
+Configuration: the one serialized value the server resolved (``kvcache_config`` in
+``kv_connector_extra_config``; ``cache.config.connector_extra``), read back as it is.
+Under plain ``vllm serve`` without it, each process builds the configuration from its
+``KVCACHE_*`` environment (``cache.config.build_cache_config``). Either way a bad setting
+stops start-up with one ``ConfigError`` message naming the variable.
+
 Hybrid models: the connector implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid
 KV cache manager on (sliding-window layers hold only their window); what is stored per KV
-cache group is in ``cache.connector.groups``. A model whose groups the cache cannot serve
-(Mamba / linear attention ...) runs without the cache (``cache.connector.off``): one
-log line says so, never a refusal.
-Settings come from ``kv_connector_extra_config`` (``kvcache_cpu_size`` ...) or the
-``KVCACHE_*`` environment (``cache.config.build_cache_config``); a bad setting stops
-start-up with one ``ConfigError`` message.
+cache group is in ``cache.vllm.groups``. A model whose groups the cache cannot serve
+(Mamba / linear attention ...) runs without the cache (``cache.vllm.off``): one log line
+says so, never a refusal.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from cache.config import build_cache_config, check_block_size
-from cache.connector.groups import group_layout
-from cache.connector.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from cache.connector.namespace import engine_namespace
-from cache.connector.off import CacheOff
+from cache.assembly import validate
+from cache.config import check_block_size, config_from_connector
+from cache.vllm.groups import group_layout
+from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from cache.vllm.namespace import engine_namespace
+from cache.vllm.off import CacheOff
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("cache.vllm_connector")
+log = logging.getLogger("cache.vllm.connector")
 
 
 class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -55,7 +59,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        config = build_cache_config(extra=transfer.kv_connector_extra_config or {})
+        config = config_from_connector(transfer.kv_connector_extra_config or {})
+        validate(config)  # a plain `vllm serve` had no start-up check of these
+        for note in config.notes:  # (built from the environment here: said once per process)
+            log.warning("kvcache: %s", note)
         block_size = vllm_config.cache_config.block_size
         check_block_size(config, block_size)
         parallel = vllm_config.parallel_config
@@ -70,7 +77,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                             "cache", vllm_config.model_config.model, layout.off_reason)
             return
         if role == KVConnectorRole.SCHEDULER:
-            from cache.connector.scheduler import SchedulerSide
+            from cache.vllm.scheduler import SchedulerSide
 
             # A cache never fails a request: a chunk that cannot be loaded is recomputed.
             if transfer.kv_load_failure_policy != "recompute":
@@ -80,17 +87,18 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
                                                 vllm_config.cache_config.prefix_cache_retention_interval)
-            log.info("kvcache: chunk %d tokens (%d-token blocks); DRAM %s (%s bytes), "
+            log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
-                     config.cpu_path, f"{config.cpu_bytes:,}", config.disk_path,
-                     f"{config.disk_bytes:,}", config.remote_url or "off", config.policy)
+                     config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
+                     f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
             if layout.hybrid:
                 log.info("kvcache: hybrid KV cache groups: %s", layout.describe())
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-            from cache.connector.worker import WorkerSide
+            from cache.vllm.worker import WorkerSide
 
+            # This worker's parallel rank: tensor-parallel rank within its pipeline stage.
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
@@ -147,13 +155,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None):
-        from cache.connector.metrics import TieredKVStats
+        from cache.vllm.metrics import TieredKVStats
 
         return TieredKVStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from cache.connector.metrics import TieredKVPromMetrics
+        from cache.vllm.metrics import TieredKVPromMetrics
 
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -9,7 +9,7 @@ is 0 (CPU backend ``[blocks, 2, ...]``, MLA ``[blocks, block_size, dim]``) or 1 
 attention ``[2, blocks, ...]``). An entry holds every layer for a run of blocks:
 ``[layers, *layer_shape with blocks=n]``, contiguous, in the model's KV dtype.
 
-Hybrid models (``cache.connector.groups``): a copier may span several KV cache groups,
+Hybrid models (``cache.vllm.groups``): a copier may span several KV cache groups,
 each with its own block table. It is then built with ``layer_groups`` (each layer's
 group) and given the blocks of every group back to back, ``n`` per group; layer *i*
 uses the run of its group. Layers of different groups may share one tensor (vLLM's
@@ -161,10 +161,10 @@ class BlockCopier:
         mark.record(torch.cuda.current_stream(self.device))
         return mark
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, first: int = 0,
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, skip_blocks: int = 0,
                 after: Optional["torch.cuda.Event"] = None) -> None:
         """Write ``src`` (an entry, ``[layers, ..blocks..]``) into ``block_ids``, skipping
-        the entry's first ``first`` blocks (and leaving out its blocks past those).
+        the entry's first ``skip_blocks`` blocks (and leaving out its blocks past those).
         Returns once the blocks hold the data. On CUDA the writes come after the work
         queued on the calling thread's stream, or after ``after`` (a ``compute_mark``
         taken on the compute thread) when given."""
@@ -173,9 +173,9 @@ class BlockCopier:
         if n == 0:
             return
         held = src.shape[bd + 1] if src.ndim > bd + 1 else 0
-        if held < first + n or tuple(src.shape) != self.layout.entry_shape(held):
-            raise ValueError(f"entry shape {tuple(src.shape)} does not fit {first + n} blocks")
-        part = src.narrow(bd + 1, first, n)
+        if held < skip_blocks + n or tuple(src.shape) != self.layout.entry_shape(held):
+            raise ValueError(f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks")
+        part = src.narrow(bd + 1, skip_blocks, n)
         if not self.cuda:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):

@@ -13,15 +13,14 @@ from __future__ import annotations
 from typing import Optional
 
 from cache.config import CacheConfig
-from cache.connector.metadata import TieredKVMetadata
-from cache.connector.metrics import TieredKVStats
+from cache.vllm.metadata import TieredKVMetadata
+from cache.vllm.metrics import TieredKVStats
 
 
 class CacheOff:
     def __init__(self, config: CacheConfig) -> None:
-        tiers = [name for name, on in (("dram", config.cpu_bytes), ("disk", config.disk_bytes),
-                                       ("remote", config.remote_url)) if on]
-        self._report: Optional[dict] = {"all.enabled": 0, **{f"{t}.capacity_bytes": 0 for t in tiers}}
+        self._report: Optional[dict] = {"all.enabled": 0,
+                                        **{f"{t.name}.capacity_bytes": 0 for t in config.tiers()}}
 
     # -- scheduler role ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -72,6 +71,9 @@ class CacheOff:
 
     def shutdown(self) -> None:
         return None
+
+    def set_timer(self, timer) -> None:
+        return None  # nothing to time (bench/timed_connector.py)
 
     # -- both ----------------------------------------------------------------------
     def get_stats(self) -> Optional[TieredKVStats]:

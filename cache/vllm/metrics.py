@@ -9,21 +9,18 @@ bytes, load time, usage, and prefix tokens served from each tier.
 Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
 up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
 their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
-the model, 0 when the model runs without it (``cache.connector.off``, reported once,
+the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
 with every tier's capacity 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-
-from cache.store import StoreStats
 
 LEVELS = ("used_bytes", "capacity_bytes", "enabled")
 
@@ -75,10 +72,9 @@ class StatsDelta:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
 
-    def take(self, stats: StoreStats, levels: dict[str, float]) -> Optional[TieredKVStats]:
-        now = {f"{tier}.{k}": v for tier, st in stats.tiers.items() for k, v in asdict(st).items()}
-        now["all.dropped_writes"] = stats.dropped_writes
-        now["all.dropped_publishes"] = stats.dropped_publishes
+    def take(self, now: dict[str, float], levels: dict[str, float]) -> Optional[TieredKVStats]:
+        """``now``: the store's running totals (``TieredStore.counters``); ``levels``: its
+        usage (``TieredStore.levels``), passed through as they are."""
         delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         if not delta:

@@ -21,15 +21,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class ChunkIO:
     """One chunk to load or save: its key, its parent key, and the KV blocks it covers.
 
-    ``first`` is the number of the chunk's leading blocks to skip (already computed
-    by vLLM's own prefix cache); ``block_ids`` are the blocks after those.
+    ``skip_blocks``: how many of the chunk's leading blocks to leave alone (vLLM's own
+    prefix cache computed them); ``block_ids`` are the blocks after those.
     """
 
     key: str
     parent: Optional[str]
     block_ids: list[int]
-    first: int = 0
-    # Hybrid models (cache.connector.groups): which entry kind, and the blocks of each of
+    skip_blocks: int = 0
+    # Hybrid models (cache.vllm.groups): which entry kind, and the blocks of each of
     # its KV cache groups back to back in ``block_ids`` (the same count per group).
     kind: int = 0
     tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)

@@ -1,14 +1,8 @@
-"""Request shapes of ``POST /invocations`` and the TGI/LMI <-> OpenAI completion translation.
+"""The TGI / LMI request shape and its translation to and from an OpenAI completion.
 
 Pure functions on parsed JSON, no engine and no I/O: they run on the event loop for
-every request and must stay cheap. The body picks the shape:
-
-- ``{"messages": [...]}``                        OpenAI chat completion
-- ``{"prompt": ...}``                            OpenAI completion
-- ``{"inputs": "...", "parameters": {...}, "stream": bool}``
-                                                 TGI / LMI text generation, served as an
-                                                 OpenAI completion and translated back
-- ``{"requestType": "NEW_SESSION" | "CLOSE"}``   SageMaker stateful session management
+every TGI request and must stay cheap. ``{"inputs": "...", "parameters": {...},
+"stream": bool}`` is served as an OpenAI completion by vLLM and translated back.
 
 A TGI request answers ``{"generated_text": ..., "details": {...}}`` (``details`` when
 asked, with per-token log-probabilities), or, streamed, TGI's server-sent events
@@ -21,44 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 TGI_DEFAULT_MAX_NEW_TOKENS = 100
-
-
-class BadRequest(Exception):
-    """A client error; ``status`` is the HTTP status (4xx)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-def shape_of(body: Any) -> str:
-    """``"chat"``, ``"completion"``, ``"tgi"`` or ``"session"``; BadRequest otherwise."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
-    if "requestType" in body:
-        return "session"
-    if "messages" in body:
-        return "chat"
-    if "prompt" in body:
-        return "completion"
-    if "inputs" in body:
-        return "tgi"
-    raise BadRequest('unknown request shape: send {"messages": [...]} (OpenAI chat), '
-                     '{"prompt": "..."} (OpenAI completion) or {"inputs": "...", '
-                     '"parameters": {...}} (TGI)')
-
-
-def validation_message(e: ValidationError) -> str:
-    """One line per problem: ``field.path: message``."""
-    parts = []
-    for err in e.errors(include_url=False)[:10]:
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        parts.append(f"{where}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts)
 
 
 class TgiParameters(BaseModel):
@@ -83,21 +42,25 @@ class TgiParameters(BaseModel):
     top_n_tokens: Optional[int] = Field(None, ge=0, le=20)
     truncate: Optional[int] = Field(None, ge=1)
     ignore_eos: bool = False
+    # vLLM's per-request cache salt: the prompt's cached KV is shared only with requests
+    # that carry the same salt (the tiered cache keys by it too).
+    cache_salt: Optional[str] = Field(None, min_length=1)
 
 
 class TgiRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     inputs: str = Field(min_length=1)
+    # Set by SageMaker's inference-component adapter header (X-Amzn-SageMaker-Adapter-
+    # Identifier, through the standards library), or by the client: a LoRA adapter's name.
+    model: Optional[str] = None
     parameters: TgiParameters = Field(default_factory=TgiParameters)
     stream: bool = False
 
 
 def parse_tgi(body: dict) -> TgiRequest:
-    try:
-        return TgiRequest.model_validate(body)
-    except ValidationError as e:
-        raise BadRequest(validation_message(e)) from None
+    """The TGI request; a pydantic ``ValidationError`` (400) when it is not one."""
+    return TgiRequest.model_validate(body)
 
 
 def tgi_to_completion(req: TgiRequest, model: str) -> dict:
@@ -105,7 +68,7 @@ def tgi_to_completion(req: TgiRequest, model: str) -> dict:
     p = req.parameters
     stops = ([p.stop] if isinstance(p.stop, str) else list(p.stop or [])) + list(p.stop_sequences or [])
     body: dict[str, Any] = {
-        "model": model,
+        "model": req.model or model,
         "prompt": req.inputs,
         "max_tokens": p.max_new_tokens or TGI_DEFAULT_MAX_NEW_TOKENS,
         "stream": req.stream,
@@ -130,6 +93,8 @@ def tgi_to_completion(req: TgiRequest, model: str) -> dict:
         body["prompt_logprobs"] = 0
     if p.truncate:
         body["truncate_prompt_tokens"] = p.truncate
+    if p.cache_salt:
+        body["cache_salt"] = p.cache_salt
     return body
 
 

@@ -85,6 +85,26 @@ class EntryKind:
             first = max(first, max(0, end - 1 - self.reach) // block_size)
         return first, last
 
+    def load_blocks(self, start: int, end: int, skip: int, hit_end: int,
+                    block_ids: Sequence[Sequence[int]], block_size: int) -> list[int]:
+        """The blocks a load of this kind's entry of chunk ``[start, end)`` fills, for a
+        hit ending at ``hit_end``: past the entry's first ``skip`` blocks, one run per
+        group of the kind, back to back (``block_ids``: vLLM's, one list per group)."""
+        first = self.blocks(start, end, block_size)[0] + skip
+        last = cdiv(min(end, hit_end), block_size)
+        return [b for g in self.group_ids for b in block_ids[g][first:last]]
+
+    def save_blocks(self, start: int, end: int, block_ids: Sequence[Sequence[int]], null: int,
+                    block_size: int) -> Optional[list[int]]:
+        """The blocks a save of chunk ``[start, end)`` copies into this kind's entry, one
+        run per group back to back; None when vLLM already freed part of a window
+        (``null``: its null block id)."""
+        first, last = self.blocks(start, end, block_size)
+        runs = [block_ids[g][first:last] for g in self.group_ids]
+        if not self.full and any(len(r) != last - first or null in r for r in runs):
+            return None
+        return [b for r in runs for b in r]
+
     def needed_from(self, hit_end: int, block_size: int) -> int:
         """First token (block aligned) of this kind that a hit ending at ``hit_end``
         needs: vLLM allocates (and so expects loaded) the blocks from there."""
@@ -174,6 +194,12 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
             owners += [i] * len(groups[gid].layer_names)
         kinds.append(EntryKind(tag, gids, tuple(names), tuple(owners), reaches[tag]))
     return GroupLayout(tuple(kinds), block_size)
+
+
+def null_block(kv_cache_manager) -> int:
+    """vLLM's null block id: what a sliding-window group's freed blocks show as."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    return pool.null_block.block_id if pool is not None else 0
 
 
 # -- per request (scheduler) ---------------------------------------------------------

@@ -3,7 +3,7 @@
 Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker).
 - ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
-  asynchronous (disk, remote) go to the store's read threads and are reported through
+  asynchronous (disk, shared) go to the store's read threads and are reported through
   ``get_finished`` when their blocks are filled.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
@@ -12,11 +12,14 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   after it). Settled saves go back to the scheduler with the next step's output
   (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
-  read past ``KVCACHE_REMOTE_TIMEOUT_MS``: the tier's own deadline) fails its blocks
+  read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline) fails its blocks
   and every later block of the request; vLLM recomputes them. Hybrid models
-  (``cache.connector.groups``: one copier per entry kind) load asynchronously only, and
+  (``cache.vllm.groups``: one copier per entry kind) load asynchronously only, and
   a failure fails the whole request (vLLM takes no block-level failures for several KV
   cache groups); vLLM recomputes it.
+
+The store comes from ``cache.assembly.writer_store``. ``set_timer`` hands benchmarks the
+time of each step of a load (``bench/timed_connector.py``).
 """
 
 from __future__ import annotations
@@ -25,20 +28,18 @@ import logging
 import threading
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from cache.assembly import writer_store
 from cache.config import CacheConfig
-from cache.connector.groups import GroupLayout
-from cache.connector.metrics import StatsDelta
-from cache.connector.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.keys import Namespace
-from cache.kv_copy import BlockCopier, KVLayout
-from cache.policy import make_policy
-from cache.store import TieredStore
 from cache.threads import spare_cpus, thread_setup
-from cache.tiers import make_tiers
+from cache.vllm.groups import GroupLayout
+from cache.vllm.kv_copy import BlockCopier, KVLayout
+from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
+from cache.vllm.metrics import StatsDelta
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,10 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._stats = StatsDelta()
-        tiers = make_tiers(config, namespace.id)
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
-        # Upper local tiers demote what they evict, so their policy takes every chunk; the
-        # last local tier's evictions are final, so its policy also judges admission.
-        n_local = sum(not t.shared for t in tiers)
-        policies = [make_policy(config.policy, last_tier=i >= n_local - 1) for i in range(len(tiers))]
-        self.store = TieredStore(tiers, namespace.digest, policies,
-                                 signing_key=config.signing_key.encode(), io_threads=config.io_threads,
-                                 shared_admission=config.shared_admission, thread_setup=self._thread_setup)
+        self.store = writer_store(config, namespace, thread_setup=self._thread_setup)
+        self._timer: Optional[Callable[..., None]] = None
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
@@ -73,6 +68,7 @@ class WorkerSide:
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        chunk = 0  # bytes of the largest entry: one whole chunk of the kind with the most layers
         for kind in self.layout.kinds:
             if self.layout.hybrid:  # the kind's layers, each reading its group's blocks
                 names, groups = kind.layer_names, kind.layer_groups
@@ -82,9 +78,21 @@ class WorkerSide:
             self.copiers.append(BlockCopier(kv_caches, layout, groups))
             log.info("kvcache: %d KV layers%s, block dim %d, %s, %d bytes per block; tiers: %s",
                      len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
-                     layout.dtype_name, layout.bytes_per_block(),
-                     ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
-                               for t in self.store.tiers) or "none")
+                     layout.dtype_name, layout.bytes_per_block(), self.store.describe())
+            chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
+        for tier in self.config.tiers():
+            if tier.capacity is not None and tier.capacity < chunk:
+                log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
+                            "(%s bytes): chunks go to the next tier down", tier.name, f"{tier.capacity:,}",
+                            tier.location, f"{chunk:,}")
+
+    def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
+        """Benchmarks: ``timer(step, seconds, **details)`` is called for each tier read
+        (``"read"``) and entry check (``"decode"``, on the thread that ran them), each
+        copy into the KV cache (``"scatter"``) and, after each load request, ``"load"``
+        (``req``, ``asynchronous``, ``chunks``, ``failed``)."""
+        self._timer = timer
+        self.store.timer = timer
 
     # -- loads -----------------------------------------------------------------
     def step_begins(self) -> None:
@@ -106,7 +114,7 @@ class WorkerSide:
                 self._inflight[load.req_id] = t
                 t.start()
             else:
-                failed = self._load(load)
+                failed = self._timed_load(load)
                 if failed:
                     with self._lock:
                         self._failed_blocks |= failed
@@ -115,7 +123,7 @@ class WorkerSide:
         self._thread_setup("load")
         failed = set()
         try:
-            failed = self._load(load, mark)
+            failed = self._timed_load(load, mark)
         except Exception:
             log.exception("kvcache: loading request %s failed", load.req_id)
             failed = {b for c in load.chunks for b in c.block_ids}
@@ -125,6 +133,15 @@ class WorkerSide:
             else:
                 self._failed_blocks |= failed
             self._finished_loads.add(load.req_id)
+
+    def _timed_load(self, load: LoadRequest, mark=None) -> set[int]:
+        if self._timer is None:
+            return self._load(load, mark)
+        t = time.perf_counter()
+        failed = self._load(load, mark)
+        self._timer("load", time.perf_counter() - t, req=load.req_id, asynchronous=load.asynchronous,
+                    chunks=len(load.chunks), failed=len(failed))
+        return failed
 
     def _load(self, load: LoadRequest, mark=None) -> set[int]:
         """Fill the request's blocks chunk by chunk; returns the blocks that failed.
@@ -143,9 +160,11 @@ class WorkerSide:
                         warnings.filterwarnings("ignore", message="The given buffer is not writable")
                         src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
                     src = src.view(entry.info.shape)
-                    copier.scatter(chunk.block_ids, src, chunk.first, after=mark)
-                    tier = self.store.stats.tiers[self.store.tiers[entry.tier].name]
-                    tier.tokens_loaded += (chunk.tokens if chunk.tokens is not None
+                    t = time.perf_counter()
+                    copier.scatter(chunk.block_ids, src, chunk.skip_blocks, after=mark)
+                    if self._timer is not None:
+                        self._timer("scatter", time.perf_counter() - t)
+                    self.store.note_loaded(entry.tier, chunk.tokens if chunk.tokens is not None
                                            else len(chunk.block_ids) * self.block_size)
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
@@ -163,12 +182,7 @@ class WorkerSide:
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
-        levels = {"all.enabled": 1}
-        for t in self.store.tiers:
-            if t.capacity is not None:
-                levels[f"{t.name}.capacity_bytes"] = t.capacity
-                levels[f"{t.name}.used_bytes"] = t.used_bytes()
-        return self._stats.take(self.store.stats, levels)
+        return self._stats.take(self.store.counters(), {"all.enabled": 1, **self.store.levels()})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
