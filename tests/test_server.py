@@ -593,7 +593,7 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
     """deploy/sagemaker_endpoint.py's ``invoke`` with the real sagemaker-runtime client."""
     import boto3
 
-    from tests.test_deploy import dep
+    from tests.test_deploy import cli
 
     for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
         monkeypatch.setenv(k, v)
@@ -602,9 +602,9 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         rt = boto3.client("sagemaker-runtime", region_name="us-east-1", endpoint_url=proxy.url)
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
         # NEW_SESSION: the helper opens a session, sends the body in it, returns the new id
-        answer, sid = dep.invoke(rt, "kv", body, session_id="NEW_SESSION")
+        answer, sid = cli.invoke(rt, "kv", body, session_id="NEW_SESSION")
         assert isinstance(answer["generated_text"], str) and sid not in (None, "NEW_SESSION")
-        answer, again = dep.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        answer, again = cli.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                                    session_id=sid)
         assert again == sid and answer["object"] == "chat.completion"
         # an ordinary request with SessionId=NEW_SESSION sent by hand is served, opening
@@ -612,7 +612,7 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         plain = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
                                    Body=json.dumps(body), SessionId="NEW_SESSION")
         assert "NewSessionId" not in plain and "generated_text" in json.loads(plain["Body"].read())
-        _, closed = dep.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
+        _, closed = cli.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
         assert closed is None
     finally:
         proxy.close()
