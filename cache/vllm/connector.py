@@ -123,7 +123,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         return self.worker_side.take_settled()
 
     def get_kv_connector_stats(self):
-        return self.worker_side.get_stats() if self.worker_side is not None else None
+        if self.worker_side is not None:
+            return self.worker_side.get_stats()
+        from cache.vllm.metrics import TieredKVStats  # the scheduler's: tokens computed by cause
+
+        counts = self.scheduler_side.explain.take_counts()
+        return TieredKVStats(data=counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None):
@@ -156,9 +161,15 @@ class TieredKVConnector(KVConnectorBase_V1):
             self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.scheduler_side.explain.worker_events(worker_meta.events)
             self.scheduler_side.saves_settled(worker_meta.settled)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        why = self.scheduler_side.explain_finished(request)
         loaded = self.scheduler_side.request_finished(request)
-        # Shown in the request's output (kv_transfer_params): tokens loaded per tier.
-        return False, ({"kvcache_loaded_tokens": loaded} if loaded else None)
+        # Shown in the request's output (kv_transfer_params): tokens loaded per tier, and
+        # where each prompt token's KV came from or why it was computed.
+        params = {"kvcache_explain": why} if why else {}
+        if loaded:
+            params["kvcache_loaded_tokens"] = loaded
+        return False, (params or None)

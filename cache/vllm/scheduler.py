@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
 from cache.config import CacheConfig
+from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 
@@ -88,6 +89,7 @@ class RequestState:
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
     save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
     issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
+    why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
 
 
 class SchedulerSide:
@@ -114,6 +116,9 @@ class SchedulerSide:
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
+        shared = [v.shared for v in self.views if v.shared is not None]
+        self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
+                                 lambda: all(getattr(t, "up", True) for t in shared))
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -156,6 +161,7 @@ class SchedulerSide:
         st = self._state(request)
         st.pending_load = None
         if not self._wants(request, "load"):
+            st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         keys = [c.key for c in st.chunks]
         # One lookup per rank's view; a chunk counts when every rank has it, and it
@@ -166,6 +172,7 @@ class SchedulerSide:
                 and (self._awaiting_save(st, keys[found]) or self._awaiting_shared(st, keys[found:]))):
             return None, False  # ask again at the next step
         tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
+        st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in tiers])
         hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
         if hit_end <= num_computed_tokens:
             return 0, False
@@ -184,6 +191,11 @@ class SchedulerSide:
                   for i in needed]
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
+        return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
+                                      [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
+                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -273,8 +285,15 @@ class SchedulerSide:
             bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
             if bad is None:
                 continue
+            self.explain.load_failed(st.why, bad.key)
             for view in self.views:
                 view.reject_shared(bad.key)
+
+    def explain_finished(self, request: "Request") -> list[dict]:
+        """Where the request's KV came from, or why it was computed (``cache.explain``);
+        call before ``request_finished``."""
+        st = self.requests.get(request.request_id)
+        return self.explain.finished(st.why) if st else []
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""
