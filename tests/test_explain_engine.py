@@ -93,8 +93,8 @@ def test_failed_loads_say_why_and_what_followed(engines):
     for r in one:
         if "explain" in r:
             spans = [tuple(x["tokens"]) for x in r["explain"]]
-            assert spans[0][0] == 0 and spans[-1][1] == 599 if len(r["token_ids"]) else True
-            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert spans[0][0] == 0 and spans[-1][1] in (599, 999), spans
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
 
 
 def test_a_publish_in_flight_and_a_read_past_its_deadline(engines):

@@ -509,6 +509,76 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
 
 
 @engine
+def test_explain_header_on_request_and_misses_by_cause(server):
+    """The opt-in header (asked directly, or through SageMaker's custom attributes, the one
+    header SageMaker's runtime forwards both ways), and ``kvcache:misses_total`` counting
+    the computed tokens by cause, through vLLM's connector stats."""
+    prompt = "".join(chr(97 + (i * 17) % 26) for i in range(1300))
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+    miss = re.compile(r'^kvcache:misses_total{[^}]*cause="never_stored"[^}]*} (\S+)$', re.M)
+    before = sum(float(v) for v in miss.findall(server.client.get("/metrics").text))
+    cold = server.post(body, headers={"X-Kvcache-Explain": "true"})
+    assert cold.status_code == 200, cold.text
+    assert re.fullmatch(r"never_stored:0-13\d\d", cold.headers["X-Kvcache-Explain"])
+    time.sleep(1.0)  # the write-behind stores the chunks
+    hit = server.post(body, headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=7; kvcache-explain=true"})
+    assert re.fullmatch(r"dram:0-13\d\d", hit.headers["X-Kvcache-Explain"])
+    assert hit.headers["X-Amzn-SageMaker-Custom-Attributes"] == "kvcache-explain=" + hit.headers["X-Kvcache-Explain"]
+    assert "X-Kvcache-Explain" not in server.post(body).headers  # not asked: not sent
+    tokens = int(cold.headers["X-Kvcache-Explain"].rsplit("-", 1)[1])
+    deadline = time.monotonic() + 10
+    while sum(float(v) for v in miss.findall(server.client.get("/metrics").text)) - before < tokens:
+        assert time.monotonic() < deadline, "kvcache:misses_total did not count the cold request"
+        time.sleep(0.5)
+
+
+@engine
+def test_inspect_repair_while_the_server_uses_the_folders(server):
+    """``cache.tools.inspect`` on the running server's tiers: ``--verify`` finds planted
+    damage (a flipped payload bit, a crashed writer's file, a skewed byte account),
+    ``--repair`` removes it under the folders' lock, and the server keeps using them."""
+    from cache.codec import HEADER_SIZE
+    from cache.tiers.layout import USAGE, folder_usage, temp_path
+
+    prompt = "".join(chr(97 + (i * 19) % 26) for i in range(1300))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    server.post(body)
+    time.sleep(1.0)  # the write-behind stores the chunks
+    dram = server.tiers / "dram"
+    newest = max((p for p in dram.rglob("*") if p.is_file() and len(p.name) == 32), key=lambda p: p.stat().st_mtime)
+    raw = bytearray(newest.read_bytes())
+    raw[HEADER_SIZE + 11] ^= 0xFF
+    newest.write_bytes(raw)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    crashed = temp_path(str(newest), 4096).replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    Path(crashed).write_bytes(b"half")
+    with open(dram / ".usage", "r+b") as f:
+        f.write(USAGE.pack(folder_usage(dram) + 12345))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "256MiB",
+                "KVCACHE_DISK_PATH": str(server.tiers / "disk"), "KVCACHE_DISK_SIZE": "1GiB",
+                "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
+
+    def inspect(*args):
+        return subprocess.run([sys.executable, "-m", "cache.tools.inspect", *args], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    found = inspect("--verify")
+    assert found.returncode == 1 and f"damaged   {newest}: payload checksum mismatch" in found.stdout, found
+    assert f"orphan    {crashed}" in found.stdout and "MISMATCH" in found.stdout
+    fixed = inspect("--repair")
+    assert fixed.returncode == 0 and not newest.exists() and not os.path.exists(crashed), fixed.stdout
+    again = server.post(body).json()  # the chunks left load; the removed one is computed again
+    loaded = again["kv_transfer_params"]["kvcache_loaded_tokens"]
+    assert loaded.get("dram", 0) >= 1024, again["kv_transfer_params"]
+    time.sleep(1.0)
+    assert server.post(body).json()["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1299
+    clean = inspect("--verify")
+    assert clean.returncode == 0 and "MISMATCH" not in clean.stdout, clean.stdout
+
+
+@engine
 def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_path, model_path):
     """Two servers, each with its own DRAM and disk tiers, one shared L3 folder: a prompt
     used twice on the first (so it is published) loads from L3 on the second, with the
@@ -535,6 +605,7 @@ def test_metrics(server):
     text = server.client.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source",
                  "kvcache:tier_hits_total", "kvcache:tier_tokens_loaded_total", "kvcache:tier_used_bytes",
+                 "kvcache:misses_total",
                  "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
                  "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
                  "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
