@@ -193,7 +193,8 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
         "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-        "KVCACHE_DRAM_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        # 31 chunks of the test model in DRAM: the module's traffic evicts, demotes, promotes
+        "KVCACHE_DRAM_SIZE": "16MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
         "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
@@ -556,7 +557,7 @@ def test_inspect_repair_while_the_server_uses_the_folders(server):
     with open(dram / ".usage", "r+b") as f:
         f.write(USAGE.pack(folder_usage(dram) + 12345))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "256MiB",
+    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "16MiB",
                 "KVCACHE_DISK_PATH": str(server.tiers / "disk"), "KVCACHE_DISK_SIZE": "1GiB",
                 "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
 
@@ -612,7 +613,7 @@ def test_metrics(server):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
     assert server.tier_metric("used_bytes", "dram", wait_for=1) > 0
-    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 256 * 2**20
+    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 16 * 2**20
     assert server.tier_metric("bytes_written", "dram", wait_for=1) > 0
     assert server.tier_metric("bytes_read", "dram", wait_for=1) > 0
     assert server.tier_metric("load_seconds", "dram", wait_for=1e-9) > 0
@@ -687,6 +688,49 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         assert closed is None
     finally:
         proxy.close()
+
+
+# Dashboard series that answer only once their event happened (a failure, a read from L3,
+# which only another server of this module makes) or on a GPU host (NVML).
+EVENT_ONLY = {"kvcache:tier_timeouts_total", "kvcache:tier_unavailable_total", "kvcache:tier_errors_total",
+              "kvcache:tier_corrupt_total", "kvcache:tier_dropped_writes_total",
+              "kvcache:tier_dropped_publishes_total", "kvcache_gpu_energy_joules_total",
+              "kvcache_energy_per_generated_token_joules"}
+
+
+@engine
+def test_dashboard_names_exported_series_and_its_queries_answer(server):
+    """deploy/grafana/kvcache.json against this server: every series a query names is on
+    its /metrics (the GPU energy ones are declared in serving/metrics.py instead), and a
+    real Prometheus scraping it answers every query after some traffic."""
+    from bench.dashboard import Prometheus, answers, exported_names, metric_names, queries, traffic
+
+    exported = exported_names(server.client.get("/metrics").text)
+    source = (REPO / "serving" / "metrics.py").read_text()
+    for title, _legend, expr in queries():
+        for name in metric_names(expr):
+            assert name in exported or (name in EVENT_ONLY and f'"{name.removesuffix("_total")}"' in source), \
+                (title, name)
+    try:
+        prom = Prometheus(server.url.split("://", 1)[1])
+    except FileNotFoundError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("prometheus is not installed (apt-get install prometheus; .ci/run installs it)")
+    with prom:
+        traffic(server.url, prompts=2)
+        server.post({"prompt": LONG_PROMPT, "max_tokens": 1})  # long evicted from DRAM: a disk hit, promoted
+        deadline = time.monotonic() + 60
+        while prom.scrapes() < 8:
+            assert time.monotonic() < deadline, "prometheus does not scrape the server"
+            time.sleep(1)
+        empty = []
+        for title, legend, expr, result in answers(prom, "1m"):
+            if not result:
+                empty.append((title, legend, expr))
+    silent = [e for e in empty if not (metric_names(e[2]) & EVENT_ONLY or 'tier="shared"}' in e[2]
+                                       and "tier_hits_total" in e[2])]
+    assert not silent, silent
 
 
 @engine
