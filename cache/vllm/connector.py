@@ -186,12 +186,18 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.requests_failed(set(connector_output.failed_recving))
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.scheduler_side.explain.worker_events(worker_meta.events)
             self.scheduler_side.saves_settled(worker_meta.settled)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        why = self.scheduler_side.explain_finished(request)
         loaded = self.scheduler_side.request_finished(request)
-        # Shown in the request's output (kv_transfer_params): tokens loaded per tier.
-        return False, ({"kvcache_loaded_tokens": loaded} if loaded else None)
+        # Shown in the request's output (kv_transfer_params): tokens loaded per tier, and
+        # where each prompt token's KV came from or why it was computed.
+        params = {"kvcache_explain": why} if why else {}
+        if loaded:
+            params["kvcache_loaded_tokens"] = loaded
+        return False, (params or None)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:

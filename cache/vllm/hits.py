@@ -29,11 +29,12 @@ def entry(chunks: Sequence, kind: int, i: int) -> tuple[str, Optional[str]]:
 
 
 def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: int,
-             computed: int) -> tuple[Optional[HitPlan], list[str]]:
+             computed: int) -> tuple[Optional[HitPlan], list[str], list[int]]:
     """The longest hit every entry kind can serve (``groups.plan_hit``) with one lookup
-    view per rank, and the keys that would make it longer but are missing (to wait for
-    saves in flight or the shared tier). An entry counts when every rank has it, and it
-    loads from the slowest tier any rank holds it in."""
+    view per rank, the keys that would make it longer but are missing (to wait for
+    saves in flight or the shared tier), and the tier of each leading full-attention
+    entry every rank holds (for ``cache.explain``). An entry counts when every rank has
+    it, and it loads from the slowest tier any rank holds it in."""
     kinds = layout.kinds
     memo: dict[str, Optional[int]] = {}
 
@@ -62,7 +63,7 @@ def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: i
                 need = window_chunks(kind, bounds, {longest}, layout.block_size)
                 missing += [chunks[i].keys[w] for i in sorted(need)
                             if chunks[i].end > computed and tier_of(chunks[i].keys[w]) is None]
-    return plan, missing
+    return plan, missing, full_tiers
 
 
 def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int,

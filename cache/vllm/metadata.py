@@ -55,10 +55,13 @@ class TieredKVMetadata(KVConnectorMetadata):
 class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Keys of the saves a worker settled since its last step (stored, refused or
     dropped): the scheduler stops holding back requests that wait for them. One entry
-    per rank after ``aggregate``, so a key settled on every rank appears world-size times."""
+    per rank after ``aggregate``, so a key settled on every rank appears world-size times.
+    ``events``: what happened to chunks meanwhile, ``(key, event, tier)`` in order
+    (``cache.explain``)."""
 
     settled: list[str] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
         assert isinstance(other, TieredKVWorkerMetadata)
-        return TieredKVWorkerMetadata(self.settled + other.settled)
+        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events)

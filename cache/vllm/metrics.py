@@ -10,7 +10,9 @@ Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and
 up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
 their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
 the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
-with every tier's capacity 0).
+with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
+prompt tokens computed since its last report, by the reason they were not loaded
+(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=f"kvcache:tier_{field}", documentation=doc, labelnames=names)
             for field, doc in COUNTERS.items()
         }
+        self._misses = self._counter_cls(
+            name="kvcache:misses", labelnames=labelnames + ["tier", "cause"],
+            documentation="Prompt tokens whose KV was computed, by why it was not loaded "
+                          "(cause) and the tier concerned (none: no one tier)")
         self._gauges = {
             "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
                                           labelnames=names),
@@ -106,6 +112,11 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
+            if key.startswith("miss:"):
+                _, cause, tier = key.split(":", 2)
+                if value > 0:
+                    self._misses.labels(*labels, tier, cause).inc(value)
+                continue
             tier, _, field = key.rpartition(".")
             if field == "enabled":
                 self._enabled.labels(*labels).set(value)

@@ -42,10 +42,12 @@ from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
 from cache.config import CacheConfig
+from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
 from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
+from cache.vllm.metrics import TieredKVStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -100,6 +102,7 @@ class RequestState:
     # per window kind the chunks whose window entries those need.
     checkpoints: set[int] = field(default_factory=set)
     window_saves: dict[int, set[int]] = field(default_factory=dict)
+    why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
 
 
 class SchedulerSide:
@@ -131,6 +134,9 @@ class SchedulerSide:
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
+        shared = [v.shared for v in self.views if v.shared is not None]
+        self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
+                                 lambda: all(getattr(t, "up", True) for t in shared))
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -184,12 +190,16 @@ class SchedulerSide:
         st = self._state(request)
         st.pending_load = None
         if not self._wants(request, "load"):
+            st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
-        plan, missing = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
+        plan, missing, found = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
         if (missing and st.chunks[-1].end > num_computed_tokens
                 and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
             return None, False  # ask again at the next step
+        if self.layout.hybrid:  # a chunk counts as found only inside a hit its windows allow
+            found = found[:plan.chunks if plan is not None else 0]
+        st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
             self._plan_window_saves(st)
@@ -204,6 +214,11 @@ class SchedulerSide:
         st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
+        return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
+                                      [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
+                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -301,6 +316,7 @@ class SchedulerSide:
             bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
             if bad is None:
                 continue
+            self.explain.load_failed(st.why, bad.key)
             for view in self.views:
                 view.reject_shared(bad.key)
 
@@ -313,8 +329,17 @@ class SchedulerSide:
                 for c in st.issued:
                     view.reject_shared(c.key)
 
-    def get_stats(self) -> None:
-        return None  # the workers report the cache's counters
+    def get_stats(self) -> Optional[TieredKVStats]:
+        """Prompt tokens computed since the last report, by cause (``cache.explain``); the
+        workers report the tiers' counters."""
+        counts = self.explain.take_counts()
+        return TieredKVStats(data=counts) if counts else None
+
+    def explain_finished(self, request: "Request") -> list[dict]:
+        """Where the request's KV came from, or why it was computed (``cache.explain``);
+        call before ``request_finished``."""
+        st = self.requests.get(request.request_id)
+        return self.explain.finished(st.why) if st else []
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""

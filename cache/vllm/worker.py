@@ -43,6 +43,9 @@ from cache.vllm.metrics import StatsDelta
 
 log = logging.getLogger(__name__)
 
+# Chunk events sent to the scheduler per step at most (beyond: explained as never_stored).
+MAX_EVENTS = 8192
+
 
 class WorkerSide:
     def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int,
@@ -66,6 +69,10 @@ class WorkerSide:
         self._failed_requests: set[str] = set()  # hybrid models: loads that failed
         self._inflight: dict[str, object] = {}
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
+        # What happened to chunks since the last step, for the scheduler's explanations
+        # (cache.explain): (key, event, tier), at most MAX_EVENTS per step.
+        self._events: list[tuple[str, str, str]] = []
+        self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         chunk = 0  # bytes of the largest entry: one whole chunk of the kind with the most layers
@@ -154,6 +161,9 @@ class WorkerSide:
             copier = self.copiers[chunk.kind]
             entry = futures[i].result()
             ok = entry is not None and entry.info.dtype == copier.layout.dtype_name
+            if not ok:
+                self._on_event(chunk.key, "missing" if entry is None else "damaged",
+                               "none" if entry is None else self.store.tier_names[entry.tier])
             if ok:
                 try:
                     with warnings.catch_warnings():  # read-only mapping, only ever copied from
@@ -168,6 +178,7 @@ class WorkerSide:
                                            else len(chunk.block_ids) * self.block_size)
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
+                    self._on_event(chunk.key, "damaged", self.store.tier_names[entry.tier])
                     ok = False
             if not ok:
                 return {b for c in load.chunks[i:] for b in c.block_ids}
@@ -212,11 +223,18 @@ class WorkerSide:
         with self._lock:
             self._settled.append(key)
 
+    def _on_event(self, key: str, event: str, tier: str) -> None:
+        with self._lock:
+            if len(self._events) < MAX_EVENTS:
+                self._events.append((key, event, tier))
+
     def take_settled(self) -> Optional[TieredKVWorkerMetadata]:
-        """Saves settled since the last call, for the scheduler (``None``: nothing new)."""
+        """Saves settled and chunk events since the last call, for the scheduler
+        (``None``: nothing new)."""
         with self._lock:
             settled, self._settled = self._settled, []
-        return TieredKVWorkerMetadata(settled) if settled else None
+            events, self._events = self._events, []
+        return TieredKVWorkerMetadata(settled, events) if settled or events else None
 
     def shutdown(self) -> None:
         """Flush write-behind within vLLM's worker shutdown grace (~5 s); what is not
