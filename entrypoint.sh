@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Container entrypoint. SageMaker runs `docker run IMAGE serve`: that starts the server.
 # `serve --print-config` (or just `--print-config`) passes options to the server.
-# Any other command runs as given (`docker run IMAGE bash`, `... python -m cache.footprint`).
+# Any other command runs as given (`docker run IMAGE bash`, `... python -m cache.tools.footprint`).
 # Both use exec, so the server (or the command) is PID 1 and receives SIGTERM directly.
 set -euo pipefail
 

@@ -284,7 +284,7 @@ class Bench:
         root = os.path.join(self.work, "ours-l3")
         local = os.path.join(self.work, "ours-l3-unused")
         kv = peers.ours(os.path.join(self.shm, "ours-l3-unused"), "0", local, "0",
-                        remote_url=f"file://{root}", remote_bandwidth=str(int(self.args.l3_bandwidth)),
+                        shared_url=f"file://{root}", shared_bandwidth=str(int(self.args.l3_bandwidth)),
                         shared_admission="all")
         with self.engine("ours-l3", kv) as e:
             for size in self.sizes:
@@ -299,7 +299,7 @@ class Bench:
         each followed by ``p`` again from vLLM's prefix cache (the engine's l0) and by the
         one-token l0. ``before()`` runs before each hit and returns details to record with
         it. The first round is a warm-up."""
-        tier = {"disk": "disk", "l3": "remote"}[kind]
+        tier = {"disk": "disk", "l3": "shared"}[kind]
         l0 = "l0" + self.ENGINE_OF[kind]
         for i in range(1 + self.hit_repeats):
             detail = before() if before else {}

@@ -1,4 +1,4 @@
-"""The connector's GPU copy path (``cache.kv_copy.BlockCopier``) on a real CUDA device.
+"""The connector's GPU copy path (``cache.vllm.kv_copy.BlockCopier``) on a real CUDA device.
 
     python -m bench.gpu_copy [--layers 32 --kv-heads 8 --head-dim 128 --blocks 4096] [--json OUT]
 
@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from cache.kv_copy import BlockCopier, KVLayout  # noqa: E402
+from cache.vllm.kv_copy import BlockCopier, KVLayout  # noqa: E402
 
 BLOCK = 16  # vLLM's default block size on CUDA
 
@@ -117,7 +117,7 @@ def check_correctness(copier: BlockCopier, caches: dict, blocks: int, device, fe
     others = [b for b in torch.randperm(blocks, generator=rng).tolist() if b not in ids][:16]
     oidx = torch.tensor(others, device=device)
     before = torch.stack([c.index_select(1, oidx) for c in caches.values()]).cpu()
-    copier.scatter(others[4:12], src, first=4)
+    copier.scatter(others[4:12], src, skip_blocks=4)
     after = torch.stack([c.index_select(1, oidx) for c in caches.values()]).cpu()
     results["partial_scatter_exact"] = bool(
         torch.equal(after[:, :, 4:12], src[:, :, 4:12]) and torch.equal(after[:, :, :4], before[:, :, :4])

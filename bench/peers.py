@@ -31,21 +31,19 @@ from typing import Optional
 ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def ours(cpu_path: str, cpu_size: str, disk_path: str, disk_size: str,
+def ours(dram_path: str, dram_size: str, disk_path: str, disk_size: str,
          chunk_tokens: int = 256, **more: str) -> dict:
-    """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier);
-    ``more``: further settings by their lower-case names without ``kvcache_``."""
-    return {
-        "kv_connector": "TieredKVConnector",
-        "kv_connector_module_path": "cache.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "kvcache_cpu_path": cpu_path, "kvcache_cpu_size": cpu_size,
-            "kvcache_disk_path": disk_path, "kvcache_disk_size": disk_size,
-            "kvcache_chunk_tokens": str(chunk_tokens),
-            **{f"kvcache_{k}": v for k, v in more.items()},
-        },
-    }
+    """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier), its
+    configuration resolved here, once, as the server does; ``more``: further settings by
+    their names without ``KVCACHE_``, in lower case (``shared_url=...``)."""
+    from cache.config import build_cache_config
+    from cache.vllm import kv_transfer_config
+
+    settings = {"KVCACHE_DRAM_PATH": dram_path, "KVCACHE_DRAM_SIZE": dram_size,
+                "KVCACHE_DISK_PATH": disk_path, "KVCACHE_DISK_SIZE": disk_size,
+                "KVCACHE_CHUNK_TOKENS": str(chunk_tokens),
+                **{f"KVCACHE_{k.upper()}": v for k, v in more.items()}}
+    return kv_transfer_config(build_cache_config(settings))
 
 
 def lmcache(port: int) -> dict:

@@ -4,14 +4,15 @@
 
 Runs in one process, single-threaded except where the connector itself uses threads
 (the disk tier's ``get_async`` pool). Stores one prompt's chunks with the connector's
-own classes (``TieredStore``, ``FileTier``, ``BlockCopier``) on KV tensors laid out as
+own store (``cache.assembly.writer_store``) and ``BlockCopier`` on KV tensors laid out as
 vLLM's CPU backend lays them out (``[blocks, kv_heads, block_size, 2 * head_dim]`` per
 layer), then times, per hit: the scheduler's lookup (``contains`` per chunk), the tier
-read (DRAM: private ``MAP_POPULATE`` mmap of a tmpfs file; disk: ``readv`` into a new
-buffer, page cache dropped), the entry check (``decode``: header + XXH3-128 of the
-payload), and the copy into the paged KV cache (``scatter``: ``index_copy_`` per
-layer); and the disk path as the worker runs it (``get_async`` on the I/O threads,
-scatter in order). Compared with a plain memory copy of the same bytes.
+read (DRAM: shared ``MAP_POPULATE`` mmap of a tmpfs file; disk: ``readv`` into a new
+buffer, page cache dropped) and the entry check (``decode``: header + XXH3-128 of the
+payload), both through the store's timing hook around ``get``, and the copy into the
+paged KV cache (``scatter``: ``index_copy_`` per layer); and the disk path as the worker
+runs it (``get_async`` on the I/O threads, scatter in order). Compared with a plain
+memory copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -44,13 +45,10 @@ def main(argv=None) -> None:
     import torch
 
     from bench import pagecache
-    from cache.codec import decode
+    from cache.assembly import writer_store
     from cache.config import build_cache_config
     from cache.keys import Namespace, chunk_keys
-    from cache.kv_copy import BlockCopier, KVLayout
-    from cache.policy import make_policy
-    from cache.store import TieredStore
-    from cache.tiers import make_tiers
+    from cache.vllm.kv_copy import BlockCopier, KVLayout
 
     torch.set_num_threads(1)  # as vLLM's CPU worker runs
     block, chunk = 128, 256
@@ -75,13 +73,15 @@ def main(argv=None) -> None:
     for tier_name in ("dram", "disk"):
         shutil.rmtree(args.shm, ignore_errors=True)
         shutil.rmtree(args.disk, ignore_errors=True)
-        extra = {"kvcache_cpu_path": args.shm, "kvcache_disk_path": args.disk,
-                 "kvcache_cpu_size": "2GiB" if tier_name == "dram" else "0",
-                 "kvcache_disk_size": "2GiB" if tier_name == "disk" else "0"}
-        config = build_cache_config(env={}, extra=extra)
-        tiers = make_tiers(config, ns.id)
-        store = TieredStore(tiers, ns.digest, [make_policy(config.policy) for _ in tiers],
-                            io_threads=config.io_threads)
+        config = build_cache_config({"KVCACHE_DRAM_PATH": args.shm, "KVCACHE_DISK_PATH": args.disk,
+                                     "KVCACHE_DRAM_SIZE": "2GiB" if tier_name == "dram" else "0",
+                                     "KVCACHE_DISK_SIZE": "2GiB" if tier_name == "disk" else "0"})
+        timed = {"read": 0.0, "decode": 0.0}
+
+        def timer(step, seconds):
+            timed[step] += seconds
+
+        store = writer_store(config, ns, timer=timer)
         for i, key in enumerate(keys):
             host = copier.gather(src_blocks[i])
             store.put(key, keys[i - 1] if i else None, layout.dtype_name, tuple(host.shape),
@@ -95,18 +95,16 @@ def main(argv=None) -> None:
             t = time.perf_counter()
             assert len(store.lookup(keys)) == n_chunks
             steps["lookup"].append(time.perf_counter() - t)
-            r = d = s = 0.0
+            s = 0.0
+            timed.update(read=0.0, decode=0.0)
             for i, key in enumerate(keys):
-                t0 = time.perf_counter()
-                raw = store.tiers[0].read(key)
-                t1 = time.perf_counter()
-                info, payload = decode(raw, ns.digest, key)
+                entry = store.get(key, promote=False)  # read and decode, timed by the hook
                 t2 = time.perf_counter()
-                src = torch.frombuffer(payload, dtype=layout.dtype).view(info.shape)
+                src = torch.frombuffer(entry.payload, dtype=layout.dtype).view(entry.info.shape)
                 copier.scatter(dst_blocks[i], src, 0)
-                t3 = time.perf_counter()
-                r, d, s = r + t1 - t0, d + t2 - t1, s + t3 - t2
-                del src, payload, raw
+                s += time.perf_counter() - t2
+                del src, entry
+            r, d = timed["read"], timed["decode"]
             steps["read"].append(r)
             steps["decode"].append(d)
             steps["scatter"].append(s)

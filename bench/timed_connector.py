@@ -3,7 +3,8 @@
 Load it instead of ours (``kv_connector="TimedTieredKVConnector"``,
 ``kv_connector_module_path="bench.timed_connector"``, same extra config plus
 ``timing_log``: a JSON-lines file). Runs in vLLM's processes like the real connector
-and changes nothing but adds timers around it:
+and changes nothing but adds timers around it, through the worker's timing hook
+(``WorkerSide.set_timer``) and around the connector's own calls:
 
 - scheduler (engine core): ``get_num_new_matched_tokens`` (lookup), and the time from
   an asynchronous load's decision to the step that schedules the request (the
@@ -21,9 +22,7 @@ import os
 import threading
 import time
 
-from cache import store as store_module
-from cache.connector import worker as worker_module
-from cache.vllm_connector import TieredKVConnector
+from cache.vllm.connector import TieredKVConnector
 
 _lock = threading.Lock()
 
@@ -36,53 +35,10 @@ def _emit(path: str, **record) -> None:
 
 
 class _Timers(threading.local):
+    """What this thread spent since its last record: tier reads, entry checks, copies."""
+
     def __init__(self) -> None:
         self.read = self.decode = self.scatter = 0.0
-        self.chunks = 0
-
-
-_timers = _Timers()
-
-
-def _patch_worker_classes() -> None:
-    """Wrap the tier read, decode and scatter the worker's loads call (once per process)."""
-    if getattr(_patch_worker_classes, "done", False):
-        return
-    _patch_worker_classes.done = True
-    orig_decode = store_module.decode
-
-    def decode(*a, **k):
-        t = time.perf_counter()
-        try:
-            return orig_decode(*a, **k)
-        finally:
-            _timers.decode += time.perf_counter() - t
-
-    store_module.decode = decode
-    from cache.kv_copy import BlockCopier
-    from cache.tiers.files import FileTier
-
-    orig_read = FileTier.read
-
-    def read(self, key):
-        t = time.perf_counter()
-        try:
-            return orig_read(self, key)
-        finally:
-            _timers.read += time.perf_counter() - t
-
-    FileTier.read = read
-    orig_scatter = BlockCopier.scatter
-
-    def scatter(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return orig_scatter(self, *a, **k)
-        finally:
-            _timers.scatter += time.perf_counter() - t
-            _timers.chunks += 1
-
-    BlockCopier.scatter = scatter
 
 
 class TimedTieredKVConnector(TieredKVConnector):
@@ -91,39 +47,25 @@ class TimedTieredKVConnector(TieredKVConnector):
         self._log = extra.pop("timing_log", "/tmp/kvbench-timing.jsonl")
         super().__init__(vllm_config, role, kv_cache_config)
         self._async_since: dict[str, float] = {}
+        self._timers = _Timers()
         if self.worker_side is not None:
-            _patch_worker_classes()
-            ws, log = self.worker_side, self._log
-            orig_load = ws._load
+            self.worker_side.set_timer(self._timing)  # the worker's own hook: no patching
 
-            def timed_load(load, mark=None):
-                # Reads of an async load run on the I/O pool: their read/decode land in
-                # those threads' timers; this thread sees the wait and the scatter.
-                _timers.read = _timers.decode = _timers.scatter = 0.0
-                _timers.chunks = 0
-                t = time.perf_counter()
-                failed = orig_load(load, mark)
-                _emit(log, event="load", req=load.req_id, asynchronous=load.asynchronous,
-                      chunks=len(load.chunks), total_ms=(time.perf_counter() - t) * 1e3,
-                      read_ms=_timers.read * 1e3, decode_ms=_timers.decode * 1e3,
-                      scatter_ms=_timers.scatter * 1e3, failed=len(failed))
-                return failed
-
-            ws._load = timed_load
-            orig_get = ws.store.get
-
-            def timed_get(key, promote=True):
-                if not threading.current_thread().name.startswith("kvcache-read"):
-                    return orig_get(key, promote)  # sync (DRAM) load: counted by timed_load
-                _timers.read = _timers.decode = 0.0
-                t = time.perf_counter()
-                entry = orig_get(key, promote)
-                _emit(log, event="io_get", ms=(time.perf_counter() - t) * 1e3,
-                      read_ms=_timers.read * 1e3, decode_ms=_timers.decode * 1e3)
-                return entry
-
-            ws.store.get = timed_get
-            worker_module.log.debug("kvcache: timed connector in worker %d", os.getpid())
+    def _timing(self, step: str, seconds: float, **details) -> None:
+        """The worker's timing hook. Reads of an async load run on the store's read
+        threads: their read/decode land in those threads' timers (one ``io_get`` record
+        per chunk); the loading thread sees the wait and the scatter (one ``load``)."""
+        t = self._timers
+        if step in ("read", "decode", "scatter"):
+            setattr(t, step, getattr(t, step) + seconds)
+            if step == "decode" and threading.current_thread().name.startswith("kvcache-read"):
+                _emit(self._log, event="io_get", read_ms=t.read * 1e3, decode_ms=t.decode * 1e3)
+                t.read = t.decode = 0.0
+        elif step == "load":
+            _emit(self._log, event="load", req=details["req"], asynchronous=details["asynchronous"],
+                  chunks=details["chunks"], total_ms=seconds * 1e3, read_ms=t.read * 1e3,
+                  decode_ms=t.decode * 1e3, scatter_ms=t.scatter * 1e3, failed=details["failed"])
+            t.read = t.decode = t.scatter = 0.0
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         t = time.perf_counter()

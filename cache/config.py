@@ -1,224 +1,314 @@
-"""Cache settings: one frozen dataclass, built in exactly one function from the outside world.
+"""Cache settings: the one module that reads ``KVCACHE_*``, into one frozen ``CacheConfig``.
 
-``build_cache_config`` is the only place that reads ``KVCACHE_*`` variables (or their
-lower-case twins in vLLM's ``kv_connector_extra_config``), resolves sizes such as
-``8GiB`` or ``20%`` against the machine, and rejects bad settings with one clear
-message. It runs at start-up, in every process that opens the store (the vLLM
-scheduler and each worker), and must give every process the same answer.
+Tiers, one vocabulary everywhere (settings, logs, metrics, ``kv_transfer_params``):
+
+    dram    L1  host DRAM: a shared-memory (tmpfs) folder, loaded before the forward pass
+    disk    L2  local disk (NVMe; /tmp on SageMaker hosts), survives an engine restart
+    shared  L3  a folder every node sees (Curvine: SDK, or its FUSE/CSI mount)
+
+Flow: ``build_cache_config(env)`` is the only function that turns the environment into a
+``CacheConfig``: it resolves sizes such as ``8GiB`` or ``20%`` against the machine, and
+rejects bad settings with one ``ConfigError`` naming the variable. The server calls it
+once at start-up (``serving.sizing``) and hands the resolved value to the vLLM connector
+as one serialized value (``connector_extra``: the key ``kvcache_config`` of
+``kv_connector_extra_config``); the scheduler and every worker read it back
+(``config_from_connector``) and re-derive nothing. The signing key never goes into that
+value (vLLM logs its whole config): each process reads it from the environment here.
+Under plain ``vllm serve`` without ``kvcache_config``, each process builds the config
+from its own environment (same variables, same machine: the same answer, except that a
+percentage is resolved against the free space each process sees).
+
+Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``) and ``KVCACHE_WARM_PROMPTS``
+(``warm_prompts``), whose prompts file is parsed by ``cache.prompts.read_prompt_file``
+for the start-up check and for the warm tool alike. Names that belong to a registry
+(policies, shared admission modes) and the shared URL's filesystem are checked by
+``cache.assembly.validate``, where those live. The DRAM tier's size and folder follow
+one rule, in ``cache.dram``.
+
+Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
+(``DEPRECATED``) with one note each; an old and a new name set to different values is
+an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``,
+``cache.dram``, ``cache.prompts`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping, Optional
 
-import psutil
+from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, GiB, dram_tier
+from cache.prompts import read_prompt_file
+from cache.sizes import ConfigError, check_writable, memory_limit, parse_size, room_for_tier
 
-DEFAULT_CHUNK_TOKENS = 256
-DEFAULT_CPU_PATH = "/dev/shm/kvcache"
+__all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
+           "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
+           "parse_size", "read_prompt_file", "warm_prompts"]
+
 DEFAULT_DISK_PATH = "/tmp/kvcache"
+DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
+ENTRY_OVERHEAD = 256       # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
+CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
+CONNECTOR_KEY = "kvcache_config"  # the one key of kv_connector_extra_config we read
+
+# Every setting this module reads, and its deprecated aliases (old name -> new name).
+SETTINGS = (
+    "KVCACHE_ENABLED", "KVCACHE_DRAM_PATH", "KVCACHE_DRAM_SIZE", "KVCACHE_DISK_PATH",
+    "KVCACHE_DISK_SIZE", "KVCACHE_SHARED_URL", "KVCACHE_SHARED_TIMEOUT_MS",
+    "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
+    "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
+    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS",
+)
+DEPRECATED = {
+    "KVCACHE_CPU_PATH": "KVCACHE_DRAM_PATH",
+    "KVCACHE_CPU_SIZE": "KVCACHE_DRAM_SIZE",
+    "KVCACHE_REMOTE_URL": "KVCACHE_SHARED_URL",
+    "KVCACHE_REMOTE_TIMEOUT_MS": "KVCACHE_SHARED_TIMEOUT_MS",
+    "KVCACHE_REMOTE_BANDWIDTH": "KVCACHE_SHARED_BANDWIDTH",
+}
 
 
-class ConfigError(ValueError):
-    """A bad setting; the message names the variable and what would fix it."""
+@dataclass(frozen=True)
+class TierSpec:
+    """One enabled tier and its role, as the configuration decides it."""
+
+    name: str                 # "dram", "disk" or "shared": its label in logs and metrics
+    level: str                # "L1", "L2", "L3"
+    location: str             # folder, or the shared tier's URL
+    capacity: Optional[int]   # bytes; None: the backend manages its space (shared)
+    synchronous: bool         # loaded into vLLM's blocks before the forward pass (a memory
+                              # copy); other tiers load on I/O threads while requests run
+    mapped: bool              # entries read by mapping the file (tmpfs pages: zero copy)
+    last_local: bool          # the last local tier: its evictions are final, so its policy
+                              # also judges admission
+    shared: bool              # published to by rule, never evicted from by us
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The resolved cache configuration; every size in bytes. Defaults are the settings'."""
+
     # Tokens per chunk, the unit of lookup and storage. A multiple of vLLM's block size.
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    # L1, host DRAM: a shared-memory (tmpfs) folder, so every process of the engine and
-    # every engine of the node sees the same entries. 0 bytes disables the tier.
-    cpu_path: str = DEFAULT_CPU_PATH
-    cpu_bytes: int = 0
-    # L2, local disk (NVMe; /tmp on SageMaker hosts). Survives an engine restart.
+    chunk_tokens: int = 256
+    # dram (L1): a tmpfs folder, so every process of the engine and every engine of the
+    # node sees the same entries. 0 bytes disables the tier.
+    dram_path: str = DEFAULT_DRAM_PATH
+    dram_bytes: int = 0
+    # disk (L2): a local folder. 0 bytes disables the tier.
     disk_path: str = DEFAULT_DISK_PATH
     disk_bytes: int = 0
-    # L3, a shared fsspec URL (curvine://..., file:///mnt/curvine/...). Empty: no L3.
-    remote_url: str = ""
+    # shared (L3): an fsspec URL (curvine://..., file:///mnt/curvine/...). Empty: no L3.
+    shared_url: str = ""
+    # Curvine client for curvine:// URLs: its configuration file (absolute), or the
+    # master addresses ("host:port") a minimal client file is made from.
     curvine_conf: str = ""
-    remote_timeout_ms: int = 2000
-    # Cap on this process's L3 transfer rate, bytes per second (0: none): keeps the cache's
-    # share of the node's network bounded (and emulates a slower link in the benchmark).
-    remote_bandwidth: int = 0
-    # What the store publishes to L3 (cache.store.SharedAdmission): "reused" (a chunk used a
-    # second time), "all" (every chunk stored), "none" (L3 is only read).
+    curvine_masters: tuple[str, ...] = ()
+    # Deadline of one call to the shared tier.
+    shared_timeout_ms: int = 2000
+    # Cap on this process's shared-tier transfer rate, bytes per second (0: none): keeps
+    # the cache's share of the node's network bounded (and emulates a link in benchmarks).
+    shared_bandwidth: int = 0
+    # What the store publishes to the shared tier (cache.admission.SharedAdmission): "reused"
+    # (a chunk used a second time), "all" (every chunk stored), "none" (only read).
     shared_admission: str = "reused"
-    # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
-    signing_key: str = ""
-    # Eviction/admission policy name (see cache.policy.POLICIES); the default is
-    # cache.policy.DEFAULT_POLICY (a test keeps the two equal).
+    # Eviction/admission policy name (cache.policy.POLICIES; a test keeps this default
+    # equal to cache.policy.DEFAULT_POLICY).
     policy: str = "prefix-adaptive"
-    # Background threads that write entries down and load misses from slow tiers.
+    # Background threads that load misses from the slower tiers.
     io_threads: int = 2
+    # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
+    # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
+    signing_key: str = field(default="", repr=False)
+    # What start-up should tell the operator (deprecated names, capped sizes). Not serialized.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
-    def has_remote(self) -> bool:
-        return bool(self.remote_url)
+    def has_shared(self) -> bool:
+        return bool(self.shared_url)
 
+    def tiers(self) -> tuple[TierSpec, ...]:
+        """The enabled tiers, fastest first; the shared tier, if any, last."""
+        local = [("dram", "L1", self.dram_path, self.dram_bytes, True),
+                 ("disk", "L2", self.disk_path, self.disk_bytes, False)]
+        local = [t for t in local if t[3]]
+        specs = [TierSpec(name, level, path, size, synchronous=memory, mapped=memory,
+                          last_local=i == len(local) - 1, shared=False)
+                 for i, (name, level, path, size, memory) in enumerate(local)]
+        if self.shared_url:
+            specs.append(TierSpec("shared", "L3", self.shared_url, None, synchronous=False,
+                                  mapped=False, last_local=False, shared=True))
+        return tuple(specs)
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+    def to_dict(self) -> dict[str, Any]:
+        """The serialized value the connector receives (plain JSON types), without the
+        signing key."""
+        data = asdict(self)
+        for private in ("signing_key", "notes"):
+            data.pop(private)
+        data["curvine_masters"] = list(self.curvine_masters)
+        return data
 
-
-def parse_size(text: str, whole: Optional[int], name: str) -> int:
-    """``"8GiB"``, ``"500MB"``, ``"1073741824"`` or ``"20%"`` (of ``whole``) in bytes."""
-    s = str(text).strip().lower().replace(" ", "")
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[a-z]*)", s)
-    if not m or (m.group(2) not in _SIZE_UNITS and m.group(2) != "%"):
-        raise ConfigError(
-            f"{name}={text!r} is not a size; write e.g. 8GiB, 500MB, 1073741824 or 20%"
-        )
-    number, unit = float(m.group(1)), m.group(2)
-    if unit == "%":
-        if whole is None:
-            raise ConfigError(f"{name}={text!r}: a percentage is not allowed here")
-        if number > 100:
-            raise ConfigError(f"{name}={text!r}: a percentage above 100% is not a size")
-        return int(whole * number / 100)
-    return int(number * _SIZE_UNITS[unit])
-
-
-def _setting(env: Mapping[str, str], extra: Mapping[str, object], name: str):
-    """Value of ``KVCACHE_<NAME>``: the connector's extra config wins over the env."""
-    key = f"kvcache_{name}"
-    if key in extra and extra[key] not in (None, ""):
-        return str(extra[key])
-    value = env.get(key.upper())
-    return value if value not in (None, "") else None
-
-
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def memory_limit(limit_files: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int:
-    """Bytes of RAM this container may use: physical RAM, or the cgroup limit if lower."""
-    limit = psutil.virtual_memory().total
-    for path in limit_files:
+    @classmethod
+    def from_dict(cls, value: Any, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
+        """A config serialized by ``to_dict`` (or that as a JSON string); the signing key
+        comes from ``env``."""
         try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit():  # "max" (cgroup v2) means no limit
-            limit = min(limit, int(raw))
-    return limit
+            data = json.loads(value) if isinstance(value, str) else dict(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{CONNECTOR_KEY} in kv_connector_extra_config is not a JSON object: {e}") from None
+        known = {f.name for f in fields(cls)} - {"signing_key", "notes"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{CONNECTOR_KEY} has fields this version does not know: {unknown}")
+        data["curvine_masters"] = tuple(data.get("curvine_masters", ()))
+        key = _Reader(os.environ if env is None else env).get("KVCACHE_SIGNING_KEY") or ""
+        return cls(**data, signing_key=key)
 
 
-def _existing_dir(path: str) -> str:
-    """The deepest existing folder at or above ``path`` (to measure free space)."""
-    p = os.path.abspath(path)
-    while not os.path.isdir(p):
-        p = os.path.dirname(p)
-    return p
+def connector_extra(config: CacheConfig) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for the connector: the one serialized value."""
+    return {CONNECTOR_KEY: config.to_dict()}
 
 
-def _check_writable(path: str, name: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"{name}={path!r} is not a writable folder: {e.strerror}") from None
+def config_from_connector(extra: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> CacheConfig:
+    """The connector's configuration: the serialized value the server resolved, or
+    (plain ``vllm serve``) the environment of this process."""
+    value = (extra or {}).get(CONNECTOR_KEY)
+    if value is not None:
+        return CacheConfig.from_dict(value, env)
+    stray = sorted(k for k in (extra or {}) if k.lower().startswith("kvcache_"))
+    if stray:
+        raise ConfigError(f"kv_connector_extra_config keys {stray} are not read: set the KVCACHE_* "
+                          f"environment variables, or pass {CONNECTOR_KEY} (cache.config.connector_extra)")
+    return build_cache_config(env)
 
 
-def _tier_usage(path: str) -> int:
-    """Bytes a tier folder already holds, from its own accounting (``.usage``, kept by
-    ``cache.tiers.files``): instant, where walking a large disk tier would take minutes."""
-    try:
-        with open(os.path.join(path, ".usage"), "rb") as f:
-            raw = f.read(8)
-    except OSError:
-        return 0
-    return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
+class _Reader:
+    """``KVCACHE_*`` values from one environment, deprecated aliases resolved."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self.notes: list[str] = []
+
+    def raw(self, name: str) -> Optional[str]:
+        value = self.env.get(name)
+        return None if value is None or str(value).strip() == "" else str(value).strip()
+
+    def get(self, name: str) -> Optional[str]:
+        value = self.raw(name)
+        for old in (o for o, new in DEPRECATED.items() if new == name):
+            old_value = self.raw(old)
+            if old_value is None:
+                continue
+            if value is not None and value != old_value:
+                raise ConfigError(f"{old}={old_value!r} and {name}={value!r} disagree; {old} is the old "
+                                  f"name of {name}: set only {name}")
+            self.notes.append(f"{old} is deprecated: use {name}")
+            value = old_value
+        return value
+
+    def unknown(self) -> list[str]:
+        return sorted(k for k in self.env if k.startswith("KVCACHE_") and k not in SETTINGS
+                      and k not in DEPRECATED)
 
 
-def _tier_bytes(size_text: str, name: str, path: str, ram_cap: Optional[int]) -> int:
-    """Resolve a tier size against the free space of its filesystem (and RAM for L1)."""
+def _positive_int(r: _Reader, name: str, default: int) -> int:
+    text = r.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or int(text) <= 0:
+        raise ConfigError(f"{name}={text!r} must be a positive integer")
+    return int(text)
+
+
+def _bool(r: _Reader, name: str, default: bool) -> bool:
+    text = r.get(name)
+    if text is None:
+        return default
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={text!r} must be true or false")
+
+
+def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Optional[int] = None,
+                       reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None) -> CacheConfig:
+    """The one place that turns the environment into a ``CacheConfig``.
+
+    ``ram_bytes``: the RAM the container may use (default: measured); percentages of
+    ``KVCACHE_DRAM_SIZE`` and its default are taken of it. ``reserved_ram_bytes``: RAM the
+    DRAM default must leave to others (the model weights, vLLM's CPU KV pool), and
+    ``kv_bytes_per_token``: the model's, both known to the server. Raises ``ConfigError``."""
+    r = _Reader(os.environ if env is None else env)
+    ram = memory_limit() if ram_bytes is None else ram_bytes
+    d = CacheConfig()
+    notes: list[str] = []
+    chunk_tokens = _positive_int(r, "KVCACHE_CHUNK_TOKENS", d.chunk_tokens)
+    entry = chunk_tokens * kv_bytes_per_token + ENTRY_OVERHEAD if kv_bytes_per_token else None
+    dram_path, dram_bytes = dram_tier(r.get("KVCACHE_DRAM_SIZE"), r.get("KVCACHE_DRAM_PATH"), ram,
+                                      reserved_ram_bytes, entry, notes)
+    disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
+    disk_bytes = _disk_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
+    url = r.get("KVCACHE_SHARED_URL") or ""
+    conf, masters = _curvine_client(r, url)
+    timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
+    bandwidth = parse_size(r.get("KVCACHE_SHARED_BANDWIDTH") or "0", None, "KVCACHE_SHARED_BANDWIDTH")
+    admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
+    io_threads = _positive_int(r, "KVCACHE_IO_THREADS", d.io_threads)
+    policy = r.get("KVCACHE_POLICY") or d.policy
+    signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
+    notes = list(dict.fromkeys(r.notes)) + notes
+    notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
+    return CacheConfig(chunk_tokens=chunk_tokens, dram_path=dram_path, dram_bytes=dram_bytes,
+                       disk_path=disk_path, disk_bytes=disk_bytes, shared_url=url, curvine_conf=conf,
+                       curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
+                       shared_admission=admission, policy=policy, io_threads=io_threads,
+                       signing_key=signing_key, notes=tuple(notes))
+
+
+def _disk_bytes(size_text: str, path: str) -> int:
+    """Resolve the disk tier's size against the room its folder has."""
+    name = "KVCACHE_DISK_SIZE"
     if parse_size(size_text, 100, name) == 0:
         return 0  # tier disabled: its folder is never touched
-    _check_writable(path, name.replace("_SIZE", "_PATH"))
-    fs_free = shutil.disk_usage(_existing_dir(path)).free + _tier_usage(path)
-    whole = fs_free if ram_cap is None else min(fs_free, ram_cap)
-    nbytes = parse_size(size_text, whole, name)
-    if ram_cap is not None and nbytes > ram_cap:
-        raise ConfigError(
-            f"{name}={size_text} ({nbytes:,} bytes) is above the memory this container "
-            f"may use ({ram_cap:,} bytes); lower it or give a percentage such as 20%"
-        )
-    if nbytes > fs_free:
+    check_writable(path, "KVCACHE_DISK_PATH")
+    room = room_for_tier(path)
+    nbytes = parse_size(size_text, room, name)
+    if nbytes > room:
         raise ConfigError(
             f"{name}={size_text} ({nbytes:,} bytes) is above the free space under "
-            f"{path!r} ({fs_free:,} bytes); lower it or give a percentage"
+            f"{path!r} ({room:,} bytes); lower it or give a percentage"
         )
     return nbytes
 
 
-def build_cache_config(
-    env: Optional[Mapping[str, str]] = None, extra: Optional[Mapping[str, object]] = None
-) -> CacheConfig:
-    """The one place that turns the environment into a ``CacheConfig``.
+_HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")
 
-    ``extra`` is vLLM's ``kv_connector_extra_config`` (keys ``kvcache_cpu_size`` ...),
-    which wins over ``env`` (``KVCACHE_CPU_SIZE`` ...). Raises ``ConfigError``.
-    """
-    env = os.environ if env is None else env
-    extra = extra or {}
-    get = lambda name: _setting(env, extra, name)  # noqa: E731
 
-    chunk_text = get("chunk_tokens") or str(DEFAULT_CHUNK_TOKENS)
-    if not chunk_text.isdigit() or int(chunk_text) <= 0:
-        raise ConfigError(f"KVCACHE_CHUNK_TOKENS={chunk_text!r} must be a positive integer")
-
-    cpu_path = get("cpu_path") or DEFAULT_CPU_PATH
-    disk_path = get("disk_path") or DEFAULT_DISK_PATH
-    cpu_bytes = _tier_bytes(get("cpu_size") or "10%", "KVCACHE_CPU_SIZE", cpu_path, memory_limit())
-    disk_bytes = _tier_bytes(get("disk_size") or "50%", "KVCACHE_DISK_SIZE", disk_path, None)
-
-    timeout_text = get("remote_timeout_ms") or "2000"
-    if not timeout_text.isdigit():
-        raise ConfigError(f"KVCACHE_REMOTE_TIMEOUT_MS={timeout_text!r} must be an integer")
-    bandwidth = parse_size(get("remote_bandwidth") or "0", None, "KVCACHE_REMOTE_BANDWIDTH")
-    threads_text = get("io_threads") or "2"
-    if not threads_text.isdigit() or int(threads_text) < 1:
-        raise ConfigError(f"KVCACHE_IO_THREADS={threads_text!r} must be a positive integer")
-
-    from cache.policy import POLICIES
-    from cache.store import SharedAdmission
-
-    admission = (get("shared_admission") or CacheConfig.shared_admission).strip().lower()
-    if admission not in SharedAdmission.MODES:
-        raise ConfigError(f"KVCACHE_SHARED_ADMISSION={admission!r} is unknown; choose one of "
-                          f"{', '.join(SharedAdmission.MODES)}")
-
-    policy = get("policy") or CacheConfig.policy
-    if policy not in POLICIES:
-        raise ConfigError(f"KVCACHE_POLICY={policy!r} is unknown; choose one of {sorted(POLICIES)}")
-
-    return CacheConfig(
-        chunk_tokens=int(chunk_text),
-        cpu_path=cpu_path,
-        cpu_bytes=cpu_bytes,
-        disk_path=disk_path,
-        disk_bytes=disk_bytes,
-        remote_url=get("remote_url") or "",
-        curvine_conf=get("curvine_conf") or "",
-        remote_timeout_ms=int(timeout_text),
-        remote_bandwidth=bandwidth,
-        shared_admission=admission,
-        signing_key=get("signing_key") or "",
-        policy=policy,
-        io_threads=int(threads_text),
-    )
+def _curvine_client(r: _Reader, url: str) -> tuple[str, tuple[str, ...]]:
+    """``KVCACHE_CURVINE_CONF`` (absolute; a relative path is inside the model folder,
+    ``SAGEMAKER_BASE_DIR``/model) and ``KVCACHE_CURVINE_MASTERS`` (``host:port`` each)."""
+    conf, masters_text = r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or ""
+    if conf and masters_text:
+        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} and KVCACHE_CURVINE_MASTERS={masters_text!r} "
+                          "are both set; give the Curvine client one of them")
+    masters = []
+    for item in filter(None, (m.strip() for m in masters_text.split(","))):
+        m = _HOST_PORT.fullmatch(item)
+        port = int(m.group(2) or CURVINE_MASTER_PORT) if m else 0
+        if not m or not 0 < port < 65536:
+            raise ConfigError(f"KVCACHE_CURVINE_MASTERS={masters_text!r}: {item!r} is not host:port")
+        masters.append(f"{m.group(1)}:{port}")
+    if conf and not os.path.isabs(conf):
+        model_dir = os.path.join(r.raw("SAGEMAKER_BASE_DIR") or "/opt/ml", "model")
+        conf = os.path.join(model_dir, conf)
+    if conf and url.startswith("curvine://") and not os.path.isfile(conf):
+        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} is not a file (a relative path is read "
+                          "inside the model folder)")
+    return conf, tuple(masters)
 
 
 def check_block_size(config: CacheConfig, block_size: int) -> None:
@@ -229,3 +319,33 @@ def check_block_size(config: CacheConfig, block_size: int) -> None:
             f"block size ({block_size}); use e.g. {max(1, round(config.chunk_tokens / block_size)) * block_size}"
         )
 
+
+# -- start-up settings: the cache on or off, pre-warming ----------------------------------
+
+
+def cache_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``KVCACHE_ENABLED`` (default true): false serves with vLLM alone."""
+    return _bool(_Reader(os.environ if env is None else env), "KVCACHE_ENABLED", True)
+
+
+def warm_prompts(env: Optional[Mapping[str, str]] = None,
+                 config: Optional[CacheConfig] = None) -> Optional[str]:
+    """``KVCACHE_WARM_PROMPTS`` (absolute), or None when unset. ``config`` is the cache
+    that will run (None when it is off). The file is checked now, so a bad one stops
+    start-up before any engine runs: readable, one JSON object per line
+    (``read_prompt_file``), and a cache that can publish (warming fills the shared tier)."""
+    path = _Reader(os.environ if env is None else env).get("KVCACHE_WARM_PROMPTS")
+    if not path:
+        return None
+    name = f"KVCACHE_WARM_PROMPTS={path!r}"
+    if config is None:
+        raise ConfigError(f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
+                          "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)")
+    if not config.has_shared:
+        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set "
+                          "KVCACHE_SHARED_URL too")
+    if config.shared_admission == "none":
+        raise ConfigError(f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
+                          "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
+    read_prompt_file(path, name)
+    return os.path.abspath(path)

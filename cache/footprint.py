@@ -2,16 +2,19 @@
 
 Pure arithmetic on a Hugging Face config (no torch, no vLLM); runs wherever it is
 called: at server start-up (``serving.sizing`` turns tier sizes into token counts
-with it) and on the command line::
-
-    python -m cache.footprint MODEL_DIR_OR_CONFIG_JSON --context 131072 \
-        [--cpu-size 64GiB] [--disk-size 2TB] [--kv-dtype fp8] [--json]
+with it) and by the command-line tool ``python -m cache.tools.footprint``.
 
 Layouts:
 - multi-head / grouped-query / multi-query attention: K and V per layer,
   ``layers x kv_heads x head_dim x 2 x dtype bytes`` per token;
 - DeepSeek multi-head latent attention (MLA): one compressed latent per layer,
   ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes`` per token.
+
+Hybrid models (``cache.layer_kinds``): only full-attention layers keep KV for every token
+(``bytes_per_token``); a sliding-window layer keeps its last ``window`` tokens, a Mamba /
+linear-attention layer a fixed state, both per request (``bytes_per_request``), as vLLM's
+hybrid KV cache manager holds them. ``full_layout_bytes_per_token`` is what every
+attention layer would take keeping every token (the hybrid manager off).
 
 The dtype is the KV cache dtype: the model's own (``torch_dtype``) unless a
 ``--kv-cache-dtype`` such as ``fp8`` overrides it. A float32 checkpoint counts as 2
@@ -23,12 +26,13 @@ Llama 3 70B (80 layers, 8 KV heads, head dim 128, bf16): 327,680 bytes per token
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
+
+from cache.layer_kinds import layer_kinds
+from cache.sizes import human_bytes
 
 _DTYPE_BYTES = {
     "float32": 2,  # served in 16 bits by vLLM's --dtype auto
@@ -53,24 +57,52 @@ class FootprintError(ValueError):
 class KVFootprint:
     model_type: str
     attention: str      # "mha", "gqa", "mqa" or "mla"
-    layers: int
+    layers: int         # layers keeping KV for every token (full attention)
     kv_heads: int       # 1 for MLA (one latent per layer)
     head_dim: int       # per KV head; for MLA kv_lora_rank + qk_rope_head_dim
     tensors: int        # 2 (K and V) or 1 (MLA latent)
     dtype: str
     dtype_bytes: int
     max_context: Optional[int] = None
+    window_layers: int = 0          # sliding-window layers: KV of their last ``window`` tokens
+    window: Optional[int] = None
+    state_layers: int = 0           # Mamba / linear-attention layers: a state per request
+    state_bytes: int = 0            # that state, all those layers together
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """KV bytes of one attention layer for one token."""
+        return self.kv_heads * self.head_dim * self.tensors * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * self.tensors * self.dtype_bytes
+        """Bytes every further token adds (full-attention layers)."""
+        return self.layers * self.layer_bytes_per_token
+
+    @property
+    def window_bytes_per_token(self) -> int:
+        return self.window_layers * self.layer_bytes_per_token
+
+    @property
+    def full_layout_bytes_per_token(self) -> int:
+        """Bytes per token if every attention layer kept every token."""
+        return (self.layers + self.window_layers) * self.layer_bytes_per_token
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.window_layers or self.state_layers)
 
     def bytes_per_request(self, tokens: int) -> int:
-        return self.bytes_per_token * tokens
+        window = min(tokens, self.window or 0)
+        return self.bytes_per_token * tokens + self.window_bytes_per_token * window + self.state_bytes
 
-    def tokens_in(self, nbytes: int) -> int:
-        """Tokens of KV that ``nbytes`` hold."""
-        return nbytes // self.bytes_per_token
+    def tokens_in(self, nbytes: int, context: Optional[int] = None) -> int:
+        """Tokens of KV that ``nbytes`` hold: for a hybrid model, in requests of
+        ``context`` tokens (default: the model's longest), each with its window and state."""
+        if not self.hybrid:
+            return nbytes // self.bytes_per_token
+        ctx = context or self.max_context or 1
+        return nbytes * ctx // max(1, self.bytes_per_request(ctx))
 
     def requests_in(self, nbytes: int, tokens: int) -> int:
         """Whole requests of ``tokens`` tokens that ``nbytes`` hold."""
@@ -82,9 +114,18 @@ class KVFootprint:
         else:
             shape = (f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} dims"
                      f" x 2 (K,V)")
-        return (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
+        text = (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
                 f"bytes ({self.dtype}) = {self.bytes_per_token:,} bytes "
                 f"({human_bytes(self.bytes_per_token)}) per token")
+        if self.window_layers:
+            text += (f"; plus {self.window_layers} sliding-window layers: "
+                     f"{human_bytes(self.window_bytes_per_token)} per token of their "
+                     f"{self.window:,}-token window")
+        if self.state_layers:
+            text += f"; plus {self.state_layers} Mamba/linear layers: {human_bytes(self.state_bytes)} of state"
+        if self.hybrid:
+            text += " per request"
+        return text
 
 
 def _first(cfg: Mapping[str, Any], *names: str) -> Any:
@@ -152,8 +193,10 @@ def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = N
             raise FootprintError("config has neither head_dim nor hidden_size")
         head_dim = int(hidden) // int(heads)
     kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    return KVFootprint(model_type, kind, int(layers), int(kv_heads), int(head_dim), 2, dtype,
-                       nbytes, max_context)
+    k = layer_kinds(cfg, int(layers))
+    return KVFootprint(model_type, kind, k.full, int(kv_heads), int(head_dim), 2, dtype,
+                       nbytes, max_context, k.window, k.window_tokens, k.state,
+                       k.state * k.state_values * nbytes)
 
 
 def load_hf_config(path: str | os.PathLike) -> dict:
@@ -170,14 +213,6 @@ def load_hf_config(path: str | os.PathLike) -> dict:
         raise FootprintError(f"{p} is not valid JSON: {e}") from None
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
     """Per-token and per-request bytes, and what each tier (name -> bytes) holds."""
     return {
@@ -185,49 +220,7 @@ def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
         "bytes_per_token": fp.bytes_per_token,
         "context_tokens": context,
         "bytes_per_request": fp.bytes_per_request(context),
-        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n),
+        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n, context),
                          "requests": fp.requests_in(n, context)}
                   for name, n in tiers.items()},
     }
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from cache.config import ConfigError, parse_size
-
-    p = argparse.ArgumentParser(prog="python -m cache.footprint",
-                                description="KV cache bytes per token and per request of a model.")
-    p.add_argument("model", help="model folder or config.json file")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per request (default: the model's max_position_embeddings)")
-    p.add_argument("--kv-dtype", default=None, help="vLLM --kv-cache-dtype (auto, fp8, ...)")
-    for tier in ("cpu", "disk", "remote"):
-        p.add_argument(f"--{tier}-size", default=None, help=f"{tier} tier size, e.g. 64GiB, 2TB")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    args = p.parse_args(argv)
-    try:
-        fp = footprint_from_config(load_hf_config(args.model), args.kv_dtype)
-        tiers = {name: parse_size(text, None, f"--{name}-size")
-                 for name, text in (("cpu", args.cpu_size), ("disk", args.disk_size),
-                                    ("remote", args.remote_size)) if text}
-    except (FootprintError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    context = args.context or fp.max_context or 0
-    if context <= 0:
-        print("error: give --context (the config has no max_position_embeddings)", file=sys.stderr)
-        return 2
-    out = report(fp, context, tiers)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(fp.describe())
-    print(f"one {context:,}-token request: {out['bytes_per_request']:,} bytes "
-          f"({human_bytes(out['bytes_per_request'])})")
-    for name, t in out["tiers"].items():
-        print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = "
-              f"{t['requests']:,} such requests")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

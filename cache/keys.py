@@ -6,8 +6,9 @@ and on every machine (unlike Python's ``hash()``), so an entry written by one en
 found by any other engine of the same model, layout and parallel rank.
 
 The namespace folds in everything that makes KV bytes incompatible: model identity and
-a digest of its config/revision, KV dtype, KV layout (block shape), tensor-parallel rank
-and size, chunk size and the entry format version. Two models never share a key.
+a digest of its config/revision, KV dtype, KV layout (block shape), parallel rank and
+world size (tensor x pipeline), chunk size and the entry format version. Two models never
+share a key.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ FORMAT_VERSION = 1
 DIGEST_BYTES = 16  # 128-bit keys: collisions are out of reach for any cache size
 
 
+_HASHED_AS = {"rank": "tp_rank", "world_size": "tp_size"}
+
+
 @dataclass(frozen=True)
 class Namespace:
     """What makes two caches' KV bytes interchangeable."""
@@ -29,15 +33,20 @@ class Namespace:
     model_digest: str          # digest of the model's config (+ revision)
     kv_dtype: str              # e.g. "bfloat16"
     kv_layout: str             # per-block tensor shape as vLLM lays it out, e.g. "2x128x2x64"
-    tp_rank: int = 0
-    tp_size: int = 1
+    rank: int = 0              # this worker's parallel rank (tensor x pipeline)
+    world_size: int = 1        # tensor-parallel size x pipeline-parallel size
     chunk_tokens: int = 256
     format_version: int = FORMAT_VERSION
 
     @property
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvcache-ns")
-        for k, v in sorted(asdict(self).items()):
+        fields = asdict(self)
+        # Hashed under the names these fields first had, so entries already stored (on
+        # disk, in the shared tier) keep their namespace.
+        for new, old in _HASHED_AS.items():
+            fields[old] = fields.pop(new)
+        for k, v in sorted(fields.items()):
             h.update(f"{k}={v}\n".encode())
         return h.digest()
 
@@ -46,7 +55,7 @@ class Namespace:
         """Seed of the chunk-key chain: the namespace without the rank, so every rank of
         an engine computes the same keys (each stores its own shard under its own
         namespace folder)."""
-        return replace(self, tp_rank=0).digest
+        return replace(self, rank=0).digest
 
     @property
     def id(self) -> str:

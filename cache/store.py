@@ -1,14 +1,14 @@
 """TieredStore: longest-prefix lookup over tiers, promote on hit, demote on evict, write-behind.
 
-Engine-agnostic (no vLLM, no torch). One store per process that opens the cache:
-- in the vLLM scheduler, a *lookup-only* store answers ``lookup`` (cheap ``contains``
-  checks, no I/O threads, no policy) and ``probe`` (starts background existence checks
-  on the shared tier);
-- in each vLLM worker, a *writer* store runs ``get``/``get_async`` and ``put``; it owns
-  the I/O threads and one eviction policy per local tier.
+Engine-agnostic (no vLLM, no torch). ``cache.assembly`` builds one store per role:
+- in the vLLM scheduler, a *lookup-only* view per rank answers ``lookup`` (cheap
+  ``contains`` checks, no I/O threads, no policy) and ``probe`` (starts background
+  existence checks on the shared tier);
+- in each vLLM worker (and the tools), a *writer* store runs ``get``/``get_async`` and
+  ``put``; it owns the I/O threads and one eviction policy per local tier.
 
-Local tiers (DRAM, disk) form a hierarchy: writes go to the top, evictions demote down,
-hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
+Local tiers (DRAM, disk) form a hierarchy: writes go to the top (the first tier that
+can hold the entry at all), evictions demote down, hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
 one, last) is not part of that hierarchy: its space is the backend's, nothing is evicted
 from it, and chunks are *published* to it by ``SharedAdmission``: by default a chunk
 used a second time (hit in a local tier, computed again, or evicted after a hit), or one
@@ -26,6 +26,12 @@ publisher thread. The policy structures are guarded by one lock, held only for p
 calls (microseconds), never across I/O. Tier failures never escape: they are counted in
 ``stats`` and logged at most once a minute per tier (the shared tier logs its own
 outages, once each).
+
+Callers use the operations below, never the tiers: ``counters``/``levels`` for metrics,
+``note_loaded`` for tokens served, ``recheck_shared``/``reject_shared`` for what the
+scheduler learns, ``describe`` for logs. ``timer``, if set, is called as
+``timer(step, seconds)`` for each tier read (``"read"``) and entry check (``"decode"``)
+of ``get``, on the thread that ran them (benchmarks: ``bench/timed_connector.py``).
 """
 
 from __future__ import annotations
@@ -33,12 +39,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
+from cache.admission import SharedAdmission
+from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
 
@@ -85,47 +91,6 @@ class StoreStats:
 WARN_INTERVAL_S = 60.0
 
 
-class SharedAdmission:
-    """Which chunks go to the shared tier (L3): the store's publishing rule.
-
-    ``"reused"`` (default): a chunk is published when it is used a second time: read
-    back from a local tier (a hit), computed and stored again after it had left the
-    local tiers, or evicted from the last local tier after a hit. One-off prompts never
-    cost network bandwidth or shared space. ``"all"``: every chunk stored. ``"none"``:
-    read-only use of the shared tier. Explicit marks (``put(..., shared=True)``) always
-    publish, whatever the mode. Called under the store lock; O(1).
-    """
-
-    MODES = ("reused", "all", "none")
-
-    def __init__(self, mode: str = "reused", history: int = 200_000) -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"shared admission {mode!r}: choose one of {self.MODES}")
-        self.mode = mode
-        self._uses: OrderedDict[str, int] = OrderedDict()  # key -> uses seen (bounded)
-        self._history = history
-
-    def _use(self, key: str) -> int:
-        n = self._uses.pop(key, 0) + 1
-        self._uses[key] = n
-        if len(self._uses) > self._history:
-            self._uses.popitem(last=False)
-        return n
-
-    def on_put(self, key: str) -> bool:
-        """A chunk was computed and is being stored."""
-        return self.mode == "all" or (self._use(key) > 1 and self.mode == "reused")
-
-    def on_hit(self, key: str) -> bool:
-        """A chunk was read back from a local tier."""
-        self._use(key)
-        return self.mode != "none"
-
-    def on_evict(self, key: str) -> bool:
-        """A chunk leaves the last local tier: keep it shared if it was ever reused."""
-        return self.mode == "all" or (self.mode == "reused" and self._uses.get(key, 0) > 1)
-
-
 class TieredStore:
     def __init__(
         self,
@@ -138,10 +103,15 @@ class TieredStore:
         shared_admission: str = "reused",
         max_publish_bytes: int = 256 << 20,
         thread_setup: Optional[Callable[[str], None]] = None,
+        timer: Optional[Callable[[str, float], None]] = None,
     ) -> None:
         """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
         a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
         of its threads ("read", "write", "publish"; see ``cache.threads``)."""
+        self.timer = timer
+        # ``on_event(key, event, tier)``: what happened to a chunk (stored, evicted,
+        # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
+        self.on_event: Optional[Callable[[str, str, str], None]] = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -215,15 +185,20 @@ class TieredStore:
             except Exception as e:  # a tier failing must not fail the request
                 self._failed(tier, "reading", key, e)
                 continue
+            t1 = time.perf_counter()
             try:
                 info, payload = decode(raw, self.namespace, key, self.signing_key)
             except CorruptEntry as e:
                 st.corrupt += 1
                 self._drop_bad(i, key, e)
                 continue
+            t2 = time.perf_counter()
+            if self.timer is not None:
+                self.timer("read", t1 - t0)
+                self.timer("decode", t2 - t1)
             st.hits += 1
             st.bytes_read += len(payload) + HEADER_SIZE
-            st.load_seconds += time.perf_counter() - t0
+            st.load_seconds += t2 - t0
             if self.policies is not None:
                 if i < self.n_local:
                     with self._lock:
@@ -231,8 +206,9 @@ class TieredStore:
                         reused = self.admission.on_hit(key)
                     if reused:
                         self._publish(key, [raw])
-                if promote and i > 0 and self.n_local:
-                    self._submit(self._promote, key, raw, info.parent)
+                top = self._top_for(HEADER_SIZE + payload.nbytes) if promote else None
+                if top is not None and top < i:
+                    self._submit(self._promote, top, key, raw, info.parent)
             return Entry(key, info, payload, i, raw)
         if self.tiers:
             self.stats.tiers[self.tiers[0].name].misses += 1
@@ -261,6 +237,7 @@ class TieredStore:
             dropped = self._pending_bytes + nbytes > self._max_pending
             if dropped:
                 self.stats.dropped_writes += 1
+                self._note(key, "not_admitted", "all")
             else:
                 self._pending_bytes += nbytes
         if dropped:
@@ -304,8 +281,11 @@ class TieredStore:
             ready()
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
         local = self.tiers[: self.n_local]
-        if local and not any(t.contains(key) for t in local):
-            self._store(0, key, parent, [header, payload])
+        top = self._top_for(len(header) + memoryview(payload).nbytes)
+        if top is not None and not any(t.contains(key) for t in local):
+            self._store(top, key, parent, [header, payload])
+        elif top is None and local:
+            self._note(key, "not_admitted", local[-1].name)  # larger than every local tier
         with self._lock:
             admitted = self.admission.on_put(key)
         if shared or admitted or not local:
@@ -318,8 +298,9 @@ class TieredStore:
         tier = self.shared
         if tier is None or self._publisher is None or tier.contains(key):
             return
-        if not getattr(tier, "available", True):  # down: skip without queueing
+        if not tier.available:  # down: skip without queueing
             self.stats.tiers[tier.name].unavailable += 1
+            self._note(key, "shared_unreachable", tier.name)
             return
         nbytes = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
@@ -332,6 +313,7 @@ class TieredStore:
             self._publish_bytes += nbytes
             self._publish_queue.append((key, parts, nbytes))
             start, self._draining = not self._draining, True
+        self._note(key, "publishing", tier.name)
         if start:
             self._submit(self._drain_publishes, executor=self._publisher)
 
@@ -357,12 +339,14 @@ class TieredStore:
         st = self.stats.tiers[tier.name]
         if not tier.reserve(nbytes):
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
             return
         try:
             published = tier.write(key, parts, nbytes)
         except Exception as e:
             self._failed(tier, "writing", key, e)
             return
+        self._note(key, "stored", tier.name)  # by this call or, first, by another node
         if published:
             st.writes += 1
             st.bytes_written += nbytes
@@ -371,13 +355,17 @@ class TieredStore:
         """Count a tier failure; log it (at most once a minute per tier). Connection
         trouble and deadlines are the shared tier's to report (once per outage)."""
         st = self.stats.tiers[tier.name]
+        reading = doing == "reading"
         if isinstance(e, ConnectionError):
             st.unavailable += 1
+            self._note(key, "shared_unreachable", tier.name)
             return
         st.errors += 1
         if isinstance(e, TimeoutError):
             st.timeouts += 1
+            self._note(key, "load_timeout" if reading else "shared_unreachable", tier.name)
             return
+        self._note(key, "damaged" if reading else "not_admitted", tier.name)
         self._warn(tier.name, "kvcache: %s %s in %s failed: %s", doing, key, tier.name, e)
 
     def _warn(self, tier_name: str, fmt: str, *args) -> None:
@@ -397,18 +385,26 @@ class TieredStore:
         """A local tier deletes a bad entry; the shared tier's is only ignored here."""
         tier = self.tiers[i]
         self._warn(tier.name, "kvcache: ignoring bad entry %s in %s: %s", key, tier.name, e)
+        self._note(key, "unsigned" if isinstance(e, UnsignedEntry) else "damaged", tier.name)
         if i >= self.n_local:
-            reject = getattr(tier, "reject", None)
-            if reject is not None:
-                reject(key)
+            tier.reject(key)
             return
         self._forget(i, key)
         tier.delete(key)
 
-    def _promote(self, key, raw, parent) -> None:
-        if not self.tiers[0].contains(key):
-            self._store(0, key, parent, [raw])
-            self.stats.tiers[self.tiers[0].name].promotions += 1
+    def _top_for(self, nbytes: int) -> Optional[int]:
+        """The first local tier that can hold an entry of ``nbytes`` at all: new entries
+        and promotions go there (a DRAM tier smaller than one entry is passed over)."""
+        for i in range(self.n_local):
+            capacity = self.tiers[i].capacity
+            if capacity is None or nbytes <= capacity:
+                return i
+        return None
+
+    def _promote(self, top, key, raw, parent) -> None:
+        if not self.tiers[top].contains(key):
+            self._store(top, key, parent, [raw])
+            self.stats.tiers[self.tiers[top].name].promotions += 1
 
     def _store(self, i: int, key: str, parent: Optional[str], parts: list) -> bool:
         """Write into local tier ``i`` if its policy admits it, evicting (and demoting)
@@ -418,6 +414,7 @@ class TieredStore:
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if tier.capacity is not None and nbytes > tier.capacity:
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
             return False
 
         def write() -> bool:
@@ -432,9 +429,11 @@ class TieredStore:
                                lock=self._lock, rescan=lambda: self._adopt(i))
         if outcome in (Offer.REFUSED, Offer.NO_ROOM):
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
         elif outcome is Offer.STORED:
             st.writes += 1
             st.bytes_written += nbytes
+            self._note(key, "stored", tier.name)
         return outcome is Offer.STORED
 
     def _evict(self, i: int, victim: str) -> None:
@@ -454,6 +453,7 @@ class TieredStore:
                 raw = None
         tier.delete(victim)
         self.stats.tiers[tier.name].evictions += 1
+        self._note(victim, "evicted", tier.name)  # (a demotion below then notes "stored")
         if raw is None:
             return
         try:  # a shared entry is verified in full: other nodes will trust its checksum
@@ -466,6 +466,10 @@ class TieredStore:
             self.stats.tiers[tier.name].demotions += 1
         elif self._store(i + 1, victim, info.parent, [raw]):
             self.stats.tiers[tier.name].demotions += 1
+
+    def _note(self, key: str, event: str, tier: str) -> None:
+        if self.on_event is not None:
+            self.on_event(key, event, tier)
 
     def _forget(self, i: int, key: str) -> None:
         if self.policies is not None:
@@ -486,6 +490,50 @@ class TieredStore:
         with self._lock:
             for policy in self.policies[: self.n_local]:
                 policy.hint_upcoming(keys)
+
+    # -- what callers need to know -------------------------------------------------
+    @property
+    def has_local(self) -> bool:
+        return self.n_local > 0
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    def note_loaded(self, tier: int, tokens: int) -> None:
+        """``tokens`` prompt tokens were served from tier ``tier`` (an ``Entry.tier``)."""
+        self.stats.tiers[self.tiers[tier].name].tokens_loaded += tokens
+
+    def recheck_shared(self, keys: Sequence[str]) -> None:
+        """``keys`` were just stored by this engine: the shared tier asks about them again."""
+        if self.shared is not None:
+            self.shared.recheck(keys)
+
+    def reject_shared(self, key: str) -> None:
+        """``key`` failed to load from the shared tier: it stops offering it for a while."""
+        if self.shared is not None:
+            self.shared.reject(key)
+
+    def counters(self) -> dict[str, float]:
+        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...}``."""
+        out = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in asdict(st).items()}
+        out["all.dropped_writes"] = self.stats.dropped_writes
+        out["all.dropped_publishes"] = self.stats.dropped_publishes
+        return out
+
+    def levels(self) -> dict[str, int]:
+        """Bytes held and capacity of each bounded tier: ``{"<tier>.used_bytes": n, ...}``."""
+        out = {}
+        for t in self.tiers:
+            if t.capacity is not None:
+                out[f"{t.name}.capacity_bytes"] = t.capacity
+                out[f"{t.name}.used_bytes"] = t.used_bytes()
+        return out
+
+    def describe(self) -> str:
+        """``dram=1,048,576B, disk=..., shared=shared``: the tiers, for a log line."""
+        return ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
+                         for t in self.tiers) or "none"
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:

@@ -1,15 +1,16 @@
 """Deploy the image as a SageMaker real-time endpoint (boto3): model, endpoint config, endpoint.
 
 Runs on an operator's machine or in CI, never in the container. The requests are built
-by pure functions (``model_request`` ...) so tests check them against botocore's own
-service model; ``deploy`` sends them.
+and checked against botocore's own service models by ``sagemaker_requests.py`` before
+anything is sent (``--dry-run`` prints them after that check); ``deploy`` sends them.
 
     python deploy/sagemaker_endpoint.py --name llama3-8b-kv \
         --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/sagemaker-tiered-kvcache:abc123-gpu \
         --role arn:aws:iam::123456789012:role/SageMakerExecution \
         --hf-model-id meta-llama/Meta-Llama-3-8B-Instruct --hf-token-env HF_TOKEN \
-        --instance-type ml.g5.12xlarge --cpu-size 40% --disk-size 60% \
-        [--remote-url curvine://kvcache/llama3-8b --curvine-conf /etc/curvine/curvine-cluster.toml] \
+        --instance-type ml.g5.12xlarge --dram-size 40% --disk-size 60% \
+        [--shared-url curvine:///kvcache/llama3-8b --curvine-masters 10.0.1.10:8995,10.0.1.11:8995 \
+         --signing-key-env KV_SIGNING_SECRET --subnets subnet-0a1b,subnet-2c3d --security-groups sg-0e4f] \
         [--routing prefix-aware] [--env SM_VLLM_MAX_MODEL_LEN=32768] [--dry-run] [--delete]
 
 A second deploy of the same name creates a new model and endpoint config and updates the
@@ -22,115 +23,10 @@ import argparse
 import json
 import os
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-# Model load (download + weights + warm-up) can take many minutes for large models.
-DEFAULT_STARTUP_TIMEOUT_S = 1800
-DEFAULT_DOWNLOAD_TIMEOUT_S = 1800
-VARIANT = "AllTraffic"
-
-
-@dataclass(frozen=True)
-class EndpointSpec:
-    name: str
-    image_uri: str
-    role_arn: str
-    instance_type: str = "ml.g5.12xlarge"
-    instance_count: int = 1
-    hf_model_id: Optional[str] = None
-    model_data_url: Optional[str] = None    # s3://bucket/prefix/ (uncompressed) or .../model.tar.gz
-    num_gpus: Optional[int] = None          # SM_NUM_GPUS; None: the container uses every GPU
-    cpu_size: Optional[str] = None          # KVCACHE_CPU_SIZE (e.g. 40%, 64GiB)
-    disk_size: Optional[str] = None         # KVCACHE_DISK_SIZE
-    remote_url: Optional[str] = None        # KVCACHE_REMOTE_URL (Curvine)
-    curvine_conf: Optional[str] = None      # KVCACHE_CURVINE_CONF
-    stateful_sessions: bool = True
-    routing: Optional[str] = None           # None, "least-outstanding", "random", "prefix-aware"
-    prefix_length: int = 4096               # bytes/characters used by prefix-aware routing
-    concurrency_threshold: int = 32
-    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
-    download_timeout_s: int = DEFAULT_DOWNLOAD_TIMEOUT_S
-    volume_size_gb: Optional[int] = None    # only for instance types without local NVMe
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    tags: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def stamp(self) -> str:
-        return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-
-
-def environment(spec: EndpointSpec) -> dict[str, str]:
-    """The container's environment: model, engine and tier settings (see README.md)."""
-    env: dict[str, str] = {}
-    if spec.hf_model_id:
-        env["HF_MODEL_ID"] = spec.hf_model_id
-    if spec.num_gpus:
-        env["SM_NUM_GPUS"] = str(spec.num_gpus)
-    for var, value in (("KVCACHE_CPU_SIZE", spec.cpu_size), ("KVCACHE_DISK_SIZE", spec.disk_size),
-                       ("KVCACHE_REMOTE_URL", spec.remote_url),
-                       ("KVCACHE_CURVINE_CONF", spec.curvine_conf)):
-        if value:
-            env[var] = value
-    env["KVCACHE_DISK_PATH"] = "/tmp/kvcache"   # the big local volume (NVMe) on SageMaker hosts
-    env["SAGEMAKER_ENABLE_STATEFUL_SESSIONS"] = "true" if spec.stateful_sessions else "false"
-    env.update({k: str(v) for k, v in spec.extra_env.items()})
-    for k, v in env.items():
-        if len(v) > 1024:
-            raise ValueError(f"environment value of {k} is over SageMaker's 1024 characters")
-    if len(env) > 100:
-        raise ValueError("SageMaker allows at most 100 environment variables")
-    return env
-
-
-def model_name(spec: EndpointSpec, stamp: str) -> str:
-    return f"{spec.name}-{stamp}"[:63]
-
-
-def model_request(spec: EndpointSpec, stamp: str) -> dict[str, Any]:
-    container: dict[str, Any] = {"Image": spec.image_uri, "Environment": environment(spec)}
-    if spec.model_data_url:
-        if spec.model_data_url.endswith(".tar.gz"):
-            container["ModelDataUrl"] = spec.model_data_url
-        else:  # an uncompressed prefix: SageMaker copies it to /opt/ml/model as is
-            container["ModelDataSource"] = {"S3DataSource": {
-                "S3Uri": spec.model_data_url.rstrip("/") + "/",
-                "S3DataType": "S3Prefix", "CompressionType": "None"}}
-    req: dict[str, Any] = {"ModelName": model_name(spec, stamp), "PrimaryContainer": container,
-                           "ExecutionRoleArn": spec.role_arn}
-    if spec.tags:
-        req["Tags"] = [{"Key": k, "Value": v} for k, v in spec.tags.items()]
-    return req
-
-
-_ROUTING = {"least-outstanding": "LEAST_OUTSTANDING_REQUESTS", "random": "RANDOM",
-            "prefix-aware": "PREFIX_AWARE"}
-
-
-def endpoint_config_request(spec: EndpointSpec, stamp: str) -> dict[str, Any]:
-    variant: dict[str, Any] = {
-        "VariantName": VARIANT,
-        "ModelName": model_name(spec, stamp),
-        "InstanceType": spec.instance_type,
-        "InitialInstanceCount": spec.instance_count,
-        "ContainerStartupHealthCheckTimeoutInSeconds": spec.startup_timeout_s,
-        "ModelDataDownloadTimeoutInSeconds": spec.download_timeout_s,
-    }
-    if spec.volume_size_gb:
-        variant["VolumeSizeInGB"] = spec.volume_size_gb
-    if spec.routing:
-        if spec.routing not in _ROUTING:
-            raise ValueError(f"routing {spec.routing!r}: choose one of {sorted(_ROUTING)}")
-        routing: dict[str, Any] = {"RoutingStrategy": _ROUTING[spec.routing]}
-        if spec.routing == "prefix-aware":
-            routing["PrefixAwareRoutingConfig"] = {"PrefixLength": spec.prefix_length,
-                                                   "ConcurrencyThreshold": spec.concurrency_threshold}
-        variant["RoutingConfig"] = routing
-    req: dict[str, Any] = {"EndpointConfigName": model_name(spec, stamp), "ProductionVariants": [variant]}
-    if spec.tags:
-        req["Tags"] = [{"Key": k, "Value": v} for k, v in spec.tags.items()]
-    return req
+from sagemaker_requests import (DEFAULT_STARTUP_TIMEOUT_S, GPU_INFERENCE_AMI, ROUTING, EndpointSpec,
+                                model_name, requests, tag_list)
 
 
 def _endpoint_exists(sm, name: str) -> bool:
@@ -145,14 +41,35 @@ def _endpoint_exists(sm, name: str) -> bool:
         raise
 
 
+def _check_model_file(s3, head: dict[str, str]) -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        s3.head_object(**head)
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            raise ValueError(f"--curvine-conf: s3://{head['Bucket']}/{head['Key']} does not exist "
+                             "in the model data") from None
+        raise
+
+
 def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = True,
-           log=print) -> str:
+           log=print, s3=None) -> str:
     """Create the model and endpoint config, then create or update the endpoint.
-    Returns the endpoint ARN. ``sm`` is ``boto3.client("sagemaker")``."""
+    Returns the endpoint ARN. ``sm`` is ``boto3.client("sagemaker")``; ``s3`` (for the
+    ``--curvine-conf`` check) is made from ``sm``'s session when needed."""
     stamp = stamp or spec.stamp
-    sm.create_model(**model_request(spec, stamp))
+    built = requests(spec, stamp)
+    if "HeadObject" in built:
+        if s3 is None:
+            import boto3
+            s3 = boto3.client("s3", region_name=sm.meta.region_name)
+        _check_model_file(s3, built["HeadObject"][1])
+    elif spec.curvine_conf:
+        log(f"note: {spec.curvine_conf} is not checked inside the tarball {spec.model_data_url}")
+    sm.create_model(**built["CreateModel"][1])
     log(f"model {model_name(spec, stamp)} created")
-    sm.create_endpoint_config(**endpoint_config_request(spec, stamp))
+    sm.create_endpoint_config(**built["CreateEndpointConfig"][1])
     log(f"endpoint config {model_name(spec, stamp)} created")
     config = model_name(spec, stamp)
     if _endpoint_exists(sm, spec.name):
@@ -161,7 +78,7 @@ def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = Tru
     else:
         req: dict[str, Any] = {"EndpointName": spec.name, "EndpointConfigName": config}
         if spec.tags:
-            req["Tags"] = [{"Key": k, "Value": v} for k, v in spec.tags.items()]
+            req["Tags"] = tag_list(spec)
         arn = sm.create_endpoint(**req)["EndpointArn"]
         log(f"endpoint {spec.name} creating")
     if wait:
@@ -185,17 +102,41 @@ def delete(sm, name: str, log=print) -> None:
     log(f"deleted endpoint {name}, config {config}, models {', '.join(models)}")
 
 
-def invoke(runtime, endpoint: str, body: dict, session_id: Optional[str] = None) -> tuple[dict, Optional[str]]:
-    """One invocation (``boto3.client("sagemaker-runtime")``); returns the JSON answer and
-    the session id (a new one when ``session_id="NEW_SESSION"``)."""
-    kwargs: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json",
-                              "Accept": "application/json", "Body": json.dumps(body)}
+def invoke(runtime, endpoint: str, body: dict, session_id: Optional[str] = None,
+           prefix_aware_id: Optional[str] = None) -> tuple[Any, Optional[str]]:
+    """One invocation (``boto3.client("sagemaker-runtime")``); returns the answer (JSON,
+    or the text of a non-JSON answer) and the session to use next.
+
+    ``session_id="NEW_SESSION"`` opens a stateful session first (the container's session
+    request, ``{"requestType": "NEW_SESSION"}``; SageMaker answers ``NewSessionId``,
+    "<id>; Expires=<time>"), then sends ``body`` in it and returns the new id. An existing
+    id is passed on and returned as is, or None once the answer carries ``ClosedSessionId``.
+    ``prefix_aware_id`` is the routing hint of prefix-aware routing (``PrefixAwareId``):
+    requests with the same hint and prefix go to the same instance."""
+    base: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json",
+                            "Accept": "application/json"}
+    if prefix_aware_id:
+        base["PrefixAwareId"] = prefix_aware_id
+    if session_id == "NEW_SESSION" and "requestType" not in body:
+        opened = runtime.invoke_endpoint(**base, Body=json.dumps({"requestType": "NEW_SESSION"}),
+                                         SessionId="NEW_SESSION")
+        if not opened.get("NewSessionId"):
+            raise RuntimeError(f"endpoint {endpoint} opened no session (are stateful sessions on?)")
+        session_id = opened["NewSessionId"].split(";")[0].strip()
+    kwargs = {**base, "Body": json.dumps(body)}
     if session_id:
         kwargs["SessionId"] = session_id
     resp = runtime.invoke_endpoint(**kwargs)
-    new = resp.get("NewSessionId")
-    sid = new.split(";")[0].strip() if new else session_id
-    return json.loads(resp["Body"].read() or b"null"), sid
+    if resp.get("NewSessionId"):
+        session_id = resp["NewSessionId"].split(";")[0].strip()
+    elif resp.get("ClosedSessionId"):
+        session_id = None
+    raw = resp["Body"].read()
+    try:
+        answer = json.loads(raw) if raw else None
+    except ValueError:  # session create/close answers are plain text
+        answer = raw.decode("utf-8", "replace")
+    return answer, session_id
 
 
 def _kv(items: list[str]) -> dict[str, str]:
@@ -206,6 +147,19 @@ def _kv(items: list[str]) -> dict[str, str]:
         k, v = item.split("=", 1)
         out[k] = v
     return out
+
+
+def _csv(text: Optional[str]) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def _secret(p: argparse.ArgumentParser, var: Optional[str]) -> Optional[str]:
+    if not var:
+        return None
+    value = os.environ.get(var)
+    if not value:
+        p.error(f"${var} is empty")
+    return value
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -220,50 +174,65 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hf-token-env", help="name of a local variable holding the HF token to pass on")
     p.add_argument("--model-data", help="s3:// prefix or model.tar.gz, mounted at /opt/ml/model")
     p.add_argument("--num-gpus", type=int)
-    p.add_argument("--cpu-size")
-    p.add_argument("--disk-size")
-    p.add_argument("--remote-url")
-    p.add_argument("--curvine-conf")
+    p.add_argument("--dram-size", help="KVCACHE_DRAM_SIZE")
+    p.add_argument("--disk-size", help="KVCACHE_DISK_SIZE")
+    p.add_argument("--shared-url", help="KVCACHE_SHARED_URL, e.g. curvine:///kvcache/<model>")
+    p.add_argument("--curvine-masters", help="KVCACHE_CURVINE_MASTERS: host:port,host:port")
+    p.add_argument("--curvine-conf", help="a Curvine client file inside --model-data "
+                   "(relative to it, or under /opt/ml/model)")
+    p.add_argument("--signing-key-env", help="name of a local variable holding KVCACHE_SIGNING_KEY")
+    p.add_argument("--subnets", help="VpcConfig subnets, comma-separated")
+    p.add_argument("--security-groups", help="VpcConfig security group ids, comma-separated")
     p.add_argument("--no-sessions", action="store_true", help="turn stateful sessions off")
-    p.add_argument("--routing", choices=sorted(_ROUTING))
-    p.add_argument("--startup-timeout", type=int, default=DEFAULT_STARTUP_TIMEOUT_S)
+    p.add_argument("--routing", choices=sorted(ROUTING))
+    p.add_argument("--startup-timeout", type=int, default=DEFAULT_STARTUP_TIMEOUT_S,
+                   help="ContainerStartupHealthCheckTimeoutInSeconds and SAGEMAKER_STARTUP_TIMEOUT")
+    p.add_argument("--inference-ami-version", default="auto",
+                   help=f"host AMI (default on GPU instances: {GPU_INFERENCE_AMI}, CUDA 13.0)")
     p.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the container")
     p.add_argument("--tag", action="append", default=[], help="KEY=VALUE tag")
     p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--dry-run", action="store_true", help="print the requests, send nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and print the requests (secrets masked), send nothing")
     p.add_argument("--delete", action="store_true", help="delete the endpoint, config and model")
     a = p.parse_args(argv)
 
-    import boto3
+    from botocore.exceptions import ParamValidationError
 
-    sm = boto3.client("sagemaker", region_name=a.region)
     if a.delete:
-        delete(sm, a.name)
+        import boto3
+        delete(boto3.client("sagemaker", region_name=a.region), a.name)
         return 0
     if not (a.image and a.role):
         p.error("--image and --role are required to deploy")
     extra = _kv(a.env)
-    if a.hf_token_env:
-        token = os.environ.get(a.hf_token_env)
-        if not token:
-            p.error(f"${a.hf_token_env} is empty")
-        extra["HF_TOKEN"] = token
-    spec = EndpointSpec(name=a.name, image_uri=a.image, role_arn=a.role, instance_type=a.instance_type,
-                        instance_count=a.instance_count, hf_model_id=a.hf_model_id,
-                        model_data_url=a.model_data, num_gpus=a.num_gpus, cpu_size=a.cpu_size,
-                        disk_size=a.disk_size, remote_url=a.remote_url, curvine_conf=a.curvine_conf,
-                        stateful_sessions=not a.no_sessions, routing=a.routing,
-                        startup_timeout_s=a.startup_timeout, extra_env=extra, tags=_kv(a.tag))
+    secrets = {"HF_TOKEN": _secret(p, a.hf_token_env)}
+    if secrets["HF_TOKEN"]:
+        extra["HF_TOKEN"] = secrets["HF_TOKEN"]
+    try:
+        spec = EndpointSpec(
+            name=a.name, image_uri=a.image, role_arn=a.role, instance_type=a.instance_type,
+            instance_count=a.instance_count, hf_model_id=a.hf_model_id, model_data_url=a.model_data,
+            num_gpus=a.num_gpus, dram_size=a.dram_size, disk_size=a.disk_size,
+            shared_url=a.shared_url, curvine_masters=a.curvine_masters, curvine_conf=a.curvine_conf,
+            signing_key=_secret(p, a.signing_key_env), subnets=_csv(a.subnets),
+            security_group_ids=_csv(a.security_groups), stateful_sessions=not a.no_sessions,
+            routing=a.routing, startup_timeout_s=a.startup_timeout,
+            inference_ami_version=None if a.inference_ami_version == "none" else a.inference_ami_version,
+            extra_env=extra, tags=_kv(a.tag))
+        built = requests(spec, spec.stamp)
+    except (ValueError, ParamValidationError) as e:
+        p.error(str(e))
     if a.dry_run:
-        stamp = spec.stamp
-        shown = {"CreateModel": model_request(spec, stamp),
-                 "CreateEndpointConfig": endpoint_config_request(spec, stamp)}
+        shown = {op: params for op, (_, params) in built.items()}
         env = shown["CreateModel"]["PrimaryContainer"]["Environment"]
-        if "HF_TOKEN" in env:
-            env["HF_TOKEN"] = "***"
+        for var in ("HF_TOKEN", "KVCACHE_SIGNING_KEY"):
+            if var in env:
+                env[var] = "***"
         print(json.dumps(shown, indent=2))
         return 0
-    print(deploy(sm, spec, wait=not a.no_wait))
+    import boto3
+    print(deploy(boto3.client("sagemaker", region_name=a.region), spec, wait=not a.no_wait))
     return 0
 
 

@@ -1,0 +1,2 @@
+"""The SageMaker server: configuration from SageMaker's environment, the FastAPI app and
+the vLLM engine it fronts (``python -m serving``)."""

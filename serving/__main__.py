@@ -3,11 +3,14 @@
 Runs in the container's main process (PID 1 after ``exec``). Order of events:
 1. build the configuration from the environment and the machine, log it and the tier
    plan as one block (a bad setting: message on stderr, exit 2);
-2. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
+2. remove the shared-memory and rendezvous files a killed predecessor's vLLM left
+   (``serving.leftovers``: only files no live process holds);
+3. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
    background; ``/ping`` answers 503 until the engine is ready;
-3. on SIGTERM: ``/ping`` and new invocations answer 503, requests in flight finish
-   (up to ``DRAIN_SECONDS``), then vLLM shuts down, its workers flushing the cache's
-   write-behind, and the process exits 0, inside SageMaker's 30 s.
+4. on SIGTERM: ``/ping`` and new requests answer 503, requests in flight go on (up to
+   ``SERVING_DRAIN_SECONDS``); those still running then answer 503 (a stream ends with
+   an error event); vLLM shuts down, its workers flushing the cache's write-behind, and
+   the process exits 0, inside SageMaker's 30 s.
 If the engine cannot start, the process exits 1.
 
     python -m serving                 # serve
@@ -25,16 +28,23 @@ import time
 import uvicorn
 
 from cache.config import ConfigError
-from serving.app import Gate, create_app
+from serving.app import create_app
 from serving.config import build_serving_config
 from serving.engine import Engine, State
+from serving.guard import Gate
+from serving.leftovers import remove_leftovers
 
 log = logging.getLogger("serving")
 
 
+CUT_GRACE_S = 2.0   # after the drain deadline: time for the cut requests' 503s to go out
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, with SageMaker's shutdown: the first SIGTERM/SIGINT drains, a second one
-    (or the drain deadline) stops at once. Also stops when the engine failed to start."""
+    stops at once. At the drain deadline the requests still running are cut (each
+    answers the JSON 503, a stream ends with an error event), then the server stops
+    and vLLM shuts down with nothing in flight. Also stops when the engine failed to start."""
 
     def __init__(self, config: uvicorn.Config, gate: Gate, engine: Engine, drain_s: float) -> None:
         super().__init__(config)
@@ -52,10 +62,16 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit:
-            if self.gate.draining and (self.gate.in_flight == 0 or time.monotonic() >= self.deadline):
-                if self.gate.in_flight:
-                    log.warning("drain deadline passed with %d request(s) in flight", self.gate.in_flight)
+            now = time.monotonic()
+            if self.gate.draining and self.gate.in_flight == 0:
                 self.should_exit = True
+            elif self.gate.draining and now >= self.deadline:
+                if not self.gate.cut.is_set():
+                    log.warning("drain deadline passed: cutting %d request(s) still in flight "
+                                "(each answers 503)", self.gate.in_flight)
+                    self.gate.cut_all()
+                elif now >= self.deadline + CUT_GRACE_S:
+                    self.should_exit = True
             elif self.engine.state is State.FAILED:
                 self.should_exit = True
         return await super().on_tick(counter)
@@ -78,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(config.describe())
         return 0
     log.info("configuration:\n%s", config.describe())
+    remove_leftovers()  # what a killed predecessor's vLLM left in /dev/shm and /tmp
 
     app = create_app(config)
     engine: Engine = app.state.engine

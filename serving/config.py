@@ -18,8 +18,10 @@ Engine arguments: ``SM_NUM_GPUS`` -> ``--tensor-parallel-size``; every ``SM_VLLM
 (``OPTION_TENSOR_PARALLEL_DEGREE`` ...). ``SM_VLLM_*`` wins over ``OPTION_*``, both win
 over our defaults.
 
-Pre-warming: ``KVCACHE_WARM_PROMPTS`` (a JSON-lines prompts file, checked here; run by
-``serving.warmup`` before the engine starts).
+Cache: ``cache.config`` reads every ``KVCACHE_*`` variable (the cache on or off, the
+tiers, ``KVCACHE_WARM_PROMPTS``); ``serving.sizing`` resolves the tiers once and the
+result goes to the connector as one value (``cache.vllm.kv_transfer_config``). The
+warm-up runs in ``serving.warmup`` before the engine starts.
 
 HTTP: port, timeouts and payload limit through the ``sagemaker-inference`` toolkit's
 ``Environment`` (``SAGEMAKER_BIND_TO_PORT``, ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
@@ -36,43 +38,27 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from cache.config import ConfigError
-from cache.footprint import FootprintError, KVFootprint, footprint_from_config, load_hf_config
+from cache.config import ConfigError, cache_enabled, warm_prompts
+from cache.footprint import FootprintError, KVFootprint, footprint_from_config
+from cache.vllm import kv_transfer_config
 from serving.machine import Machine, probe_machine
+from serving.conventions import engine_args, render, with_serving_properties
+from serving.describe import effects
+from serving.model import ModelSource, hf_config, resolve_model, sagemaker_model_dir
+from serving.ports import port_range_env
 from serving.sizing import GiB, TierPlan, plan_tiers, weights_bytes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ConfigError", "ServingConfig", "build_serving_config"]
 
-DEFAULT_MODEL_DIR = "/tmp/sagemaker-tiered-kvcache/default-model"
 DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
+# SageMaker's longest container start-up health check (ContainerStartupHealthCheckTimeoutInSeconds):
+# without SAGEMAKER_STARTUP_TIMEOUT the server never gives up before the platform does.
+PLATFORM_STARTUP_TIMEOUT_S = 3600
+DEFAULT_MAX_N = 16                            # SERVING_MAX_N: choices per request
 DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
-CONNECTOR = {"kv_connector": "TieredKVConnector",
-             "kv_connector_module_path": "cache.vllm_connector",
-             "kv_role": "kv_both"}
-
-# LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
-LMI_ALIASES: dict[str, Optional[str]] = {
-    "tensor_parallel_degree": "tensor_parallel_size",
-    "pipeline_parallel_degree": "pipeline_parallel_size",
-    "max_rolling_batch_size": "max_num_seqs",
-    "max_rolling_batch_prefill_tokens": "max_num_batched_tokens",
-    "rolling_batch": None,
-    "entrypoint": None,
-    "async_mode": None,
-    "model_loading_timeout": None,
-    "output_formatter": None,
-}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    source: str                   # "HF_MODEL_ID", "/opt/ml/model" or "default"
-    model: str                    # what vLLM gets as --model: hub id or local folder
-    revision: Optional[str] = None
-    local_dir: Optional[str] = None
-
+MAX_DRAIN_SECONDS = 18.0                      # SERVING_DRAIN_SECONDS above this cannot stop in time
 
 @dataclass(frozen=True)
 class HttpSettings:
@@ -80,11 +66,13 @@ class HttpSettings:
     port: int = 8080
     max_payload_bytes: int = DEFAULT_PAYLOAD_BYTES
     invocation_timeout_s: float = 60.0      # a non-streamed request is aborted after this
-    startup_timeout_s: float = 600.0        # the engine must be ready within this
+    startup_timeout_s: float = 3600.0       # the engine must be ready within this
     drain_timeout_s: float = DRAIN_SECONDS  # SIGTERM: time given to requests in flight
     log_level: str = "INFO"
     sessions_enabled: bool = True           # SageMaker stateful sessions
     session_ttl_s: int = 1200
+    sessions_path: Optional[str] = None     # the standards library's session folder (its default: /dev/shm)
+    max_n: int = DEFAULT_MAX_N              # most choices one request may ask for (n)
 
 
 @dataclass(frozen=True)
@@ -95,9 +83,10 @@ class EngineSettings:
     served_model_name: str = "model"
     tensor_parallel_size: int = 1
     kvcache_enabled: bool = True
-    # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.warm) by an engine of
+    # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.tools.warm) by an engine of
     # its own before this one starts; None: no warm-up.
     warm_prompts: Optional[str] = None
+    model_source: Optional[ModelSource] = None  # an S3 model is fetched before vLLM starts
 
 
 @dataclass(frozen=True)
@@ -108,11 +97,16 @@ class ServingConfig:
     plan: Optional[TierPlan]                # None when the tiered cache is disabled
     footprint: Optional[KVFootprint] = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    effects: tuple[tuple[str, str], ...] = ()  # (VARIABLE=value, what it set), for --print-config
 
     def describe(self) -> str:
         lines = [f"model {self.model.model} (from {self.model.source}); served as "
-                 f"{self.engine.served_model_name!r}; port {self.http.port}",
-                 "vLLM " + " ".join(_redact(self.engine.vllm_args))]
+                 f"{self.engine.served_model_name!r}; port {self.http.port}"]
+        if self.effects:
+            width = min(48, max(len(k) for k, _ in self.effects))
+            lines.append("settings and what they set:")
+            lines += [f"  {k:<{width}} -> {v}" for k, v in self.effects]
+        lines.append("vLLM " + " ".join(_redact(self.engine.vllm_args)))
         lines += [f"engine env {k}={v}" for k, v in self.engine.env]
         if self.engine.warm_prompts:
             lines.append(f"warm-up before serving: {self.engine.warm_prompts} (KVCACHE_WARM_PROMPTS)")
@@ -190,7 +184,8 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
             port = int(tk.inference_http_port)
             payload = tk.max_request_size
             timeout = tk.model_server_timeout_seconds or tk.model_server_timeout
-            startup = tk.startup_timeout
+            startup = tk.startup_timeout if env.get(parameters.STARTUP_TIMEOUT_ENV) else \
+                PLATFORM_STARTUP_TIMEOUT_S
             workers = tk.model_server_workers
     except ValueError as e:
         raise ConfigError(f"a SAGEMAKER_* setting is not a number: {e}") from None
@@ -214,105 +209,17 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         log_level=level,
         sessions_enabled=_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
         session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
+        sessions_path=env.get("SAGEMAKER_SESSIONS_PATH") or None,
+        max_n=_int(env, "SERVING_MAX_N", DEFAULT_MAX_N, minimum=1),
+        drain_timeout_s=float(_int(env, "SERVING_DRAIN_SECONDS", int(DRAIN_SECONDS), minimum=0)),
     )
+    if http.drain_timeout_s > MAX_DRAIN_SECONDS:
+        raise ConfigError(f"SERVING_DRAIN_SECONDS={http.drain_timeout_s:.0f} leaves vLLM no time "
+                          f"to stop inside SageMaker's 30 s; at most {MAX_DRAIN_SECONDS:.0f}")
     return http, notes
 
 
-# -- model -----------------------------------------------------------------------
-def _sagemaker_model_dir(env: Mapping[str, str]) -> str:
-    from sagemaker_inference import parameters
-
-    base = env.get(parameters.BASE_PATH_ENV) or "/opt/ml"
-    return os.path.join(base, "model")
-
-
-def resolve_model(env: Mapping[str, str]) -> ModelSource:
-    """Which model to serve; generates the default model if none is given."""
-    revision = env.get("HF_MODEL_REVISION") or None
-    model_id = env.get("HF_MODEL_ID") or env.get("OPTION_MODEL_ID")
-    if model_id:
-        source = "HF_MODEL_ID" if env.get("HF_MODEL_ID") else "OPTION_MODEL_ID"
-        local = model_id if os.path.isdir(model_id) else None
-        if local is None and (model_id.startswith(("/", ".", "s3://")) or model_id.count("/") > 1):
-            raise ConfigError(f"{source}={model_id!r} is neither a folder here nor a Hugging Face "
-                              "hub id (org/name)")
-        return ModelSource(source, model_id, revision, local)
-    sm_dir = _sagemaker_model_dir(env)
-    if os.path.isfile(os.path.join(sm_dir, "config.json")):
-        return ModelSource(sm_dir, sm_dir, None, sm_dir)
-    from serving.default_model import ModelShape, ensure_model
-
-    path = env.get("SERVING_DEFAULT_MODEL_DIR") or DEFAULT_MODEL_DIR
-    try:
-        ensure_model(path, ModelShape())
-    except OSError as e:
-        raise ConfigError(f"SERVING_DEFAULT_MODEL_DIR={path!r}: cannot write the default model "
-                          f"there ({e})") from None
-    return ModelSource("default", path, None, path)
-
-
-def _hf_config(model: ModelSource, env: Mapping[str, str]) -> Optional[dict]:
-    """The model's config.json, or None (logged) when it cannot be had."""
-    try:
-        if model.local_dir:
-            return load_hf_config(model.local_dir)
-        from huggingface_hub import hf_hub_download
-
-        path = hf_hub_download(model.model, "config.json", revision=model.revision,
-                               token=env.get("HF_TOKEN") or None)
-        return load_hf_config(path)
-    except FootprintError as e:
-        raise ConfigError(f"model {model.model}: {e}") from None
-    except Exception as e:  # offline, gated repo without token ...: size in bytes only
-        log.warning("could not read config.json of %s (%s); tiers sized in bytes only",
-                    model.model, e)
-        return None
-
-
 # -- engine arguments ------------------------------------------------------------
-def _flag(name: str) -> str:
-    return "--" + name.strip().lower().replace("_", "-")
-
-
-def _user_engine_args(env: Mapping[str, str], gpus: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """``--flag -> value`` from OPTION_* then SM_VLLM_* (later wins), their sources, notes."""
-    values: dict[str, str] = {}
-    sources: dict[str, str] = {}
-    notes: list[str] = []
-    for prefix in ("OPTION_", "SM_VLLM_"):
-        for var in sorted(k for k in env if k.startswith(prefix)):
-            name = var[len(prefix):].lower()
-            if not name:
-                continue
-            value = str(env[var]).strip()
-            if prefix == "OPTION_":
-                if name == "model_id":
-                    continue  # handled with HF_MODEL_ID
-                if name in LMI_ALIASES:
-                    if LMI_ALIASES[name] is None:
-                        notes.append(f"{var} is an LMI setting without a vLLM equivalent; ignored")
-                        continue
-                    name = LMI_ALIASES[name]
-                if name == "tensor_parallel_size" and value.lower() == "max":
-                    value = str(max(1, gpus))
-            values[_flag(name)] = value
-            sources[_flag(name)] = var
-    return values, sources, notes
-
-
-def _render(args: dict[str, str]) -> tuple[str, ...]:
-    out: list[str] = []
-    for flag, value in args.items():
-        low = value.lower()
-        if low == "true":
-            out.append(flag)
-        elif low == "false":
-            out.append("--no-" + flag[2:])
-        else:
-            out += [flag, value]
-    return tuple(out)
-
-
 def _engine_cpu_kv_gib(env: Mapping[str, str], machine: Machine) -> Optional[int]:
     """vLLM's own KV pool on a CPU machine: ``VLLM_CPU_KVCACHE_SPACE`` or a small default."""
     if machine.has_gpu:
@@ -334,59 +241,17 @@ def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Opti
     return max(0, int(total * util) - (weights or 0)) if weights is not None else None
 
 
-# -- pre-warming -------------------------------------------------------------------
-WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
-
-
-def _warm_prompts(env: Mapping[str, str], plan: Optional[TierPlan]) -> Optional[str]:
-    """``KVCACHE_WARM_PROMPTS``, checked now so that a bad file stops start-up before any
-    engine runs: readable, one JSON object per line with one of ``WARM_KEYS``, and a
-    cache that can publish (warming fills the shared tier; ``cache.warm``)."""
-    path = (env.get("KVCACHE_WARM_PROMPTS") or "").strip()
-    if not path:
-        return None
-    name = f"KVCACHE_WARM_PROMPTS={path!r}"
-    if plan is None:
-        raise ConfigError(f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
-                          "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)")
-    if not plan.cache.has_remote:
-        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set "
-                          "KVCACHE_REMOTE_URL too")
-    if plan.cache.shared_admission == "none":
-        raise ConfigError(f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
-                          "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
-    prompts = 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"{name}, line {n}: not JSON ({e})") from None
-                if not isinstance(obj, dict) or not any(k in obj for k in WARM_KEYS):
-                    raise ConfigError(f"{name}, line {n}: each line must be a JSON object with "
-                                      f"one of {', '.join(WARM_KEYS)}")
-                prompts += 1
-    except OSError as e:
-        raise ConfigError(f"{name} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{name} is not UTF-8 text: {e}") from None
-    if not prompts:
-        raise ConfigError(f"{name} holds no prompts")
-    return os.path.abspath(path)
-
-
 # -- the one builder ---------------------------------------------------------------
 def build_serving_config(env: Optional[Mapping[str, str]] = None,
                          machine: Optional[Machine] = None) -> ServingConfig:
     """The one place that turns the environment and the machine into a ``ServingConfig``."""
     env = os.environ if env is None else env
     machine = machine or probe_machine()
-    http, notes = _http_settings(env)
+    env, notes = with_serving_properties(env, sagemaker_model_dir(env))
+    http, http_notes = _http_settings(env)
+    notes += http_notes
     model = resolve_model(env)
-    hf = _hf_config(model, env)
+    hf = hf_config(model, env)
 
     gpus = len(machine.gpus)
     args: dict[str, str] = {"--model": model.model}
@@ -394,19 +259,18 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     if model.revision:
         args["--revision"] = model.revision
         sources["--revision"] = "HF_MODEL_REVISION"
-    served = env.get("HF_MODEL_ID") or env.get("OPTION_MODEL_ID") or (
-        "default-model" if model.source == "default" else "model")
+    served = model.served_name
     args["--served-model-name"] = served
     tp = _int(env, "SM_NUM_GPUS", max(1, gpus), minimum=1)
     if tp > 1 or env.get("SM_NUM_GPUS"):
         args["--tensor-parallel-size"] = str(tp)
         sources["--tensor-parallel-size"] = "SM_NUM_GPUS"
-    user, user_sources, user_notes = _user_engine_args(env, gpus)
+    user, user_sources, user_notes = engine_args(env, gpus)
     notes += user_notes
     if "--tensor-parallel-size" in user:
         tp = _int({"tp": user["--tensor-parallel-size"]}, "tp", tp, minimum=1)
 
-    kvcache = _bool(env, "KVCACHE_ENABLED", True)
+    kvcache = cache_enabled(env)
     if "--kv-transfer-config" in user and kvcache:
         kvcache = False
         notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; "
@@ -432,9 +296,8 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
                           engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
                           engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights),
                           context_tokens=context)
-        args["--kv-transfer-config"] = json.dumps(
-            {**CONNECTOR, "kv_connector_extra_config": plan.connector_extra()})
-    warm_prompts = _warm_prompts(env, plan)
+        args["--kv-transfer-config"] = json.dumps(kv_transfer_config(plan.cache))
+    warm = warm_prompts(env, plan.cache if plan is not None else None)
 
     for flag, value in user.items():  # the user's arguments win over ours
         args[flag] = value
@@ -443,13 +306,16 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     engine_env = []
     if cpu_kv_gib is not None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         engine_env.append(("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib)))
+    engine_env += port_range_env(env)
     engine = EngineSettings(
-        vllm_args=_render(args),
+        vllm_args=render(args),
         arg_sources=tuple(sources.items()),
         env=tuple(engine_env),
         served_model_name=user.get("--served-model-name", served),
         tensor_parallel_size=tp,
         kvcache_enabled=kvcache,
-        warm_prompts=warm_prompts,
+        warm_prompts=warm,
+        model_source=model,
     )
-    return ServingConfig(model, http, engine, plan, footprint, tuple(notes))
+    return ServingConfig(model, http, engine, plan, footprint, tuple(notes),
+                         effects(env, model, engine, http))

@@ -1,15 +1,17 @@
 """The vLLM engine inside the server: start-up in the background, health, shutdown.
 
 Runs in the server process. ``Engine.start`` is a task on the event loop; the slow
-parts (importing vLLM, tens of seconds on a small machine; building ``AsyncLLM``,
-which spawns the engine-core and worker processes and waits for the model to load)
-run in a thread, so ``/ping`` keeps answering 503 meanwhile. Once ready, requests
-go through vLLM's own OpenAI serving layer (``OpenAIServingChat`` and
-``OpenAIServingCompletion``), built by vLLM's ``init_app_state`` from the same
-arguments ``vllm serve`` takes. The engine client those objects see is wrapped by
-``ObservedEngine``, which records each finished request's outcome for the metrics.
-With ``KVCACHE_WARM_PROMPTS``, the warm-up (``serving.warmup``, an engine of its own in
-a child process) runs to its end first, so two engines never share the memory.
+parts (an S3 model's download, importing vLLM, tens of seconds on a small machine;
+building ``AsyncLLM``, which spawns the engine-core and worker processes and waits for
+the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. Once
+ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
+``OpenAIServingCompletion``, the models list, the pooling endpoints when the model
+pools) from the same arguments ``vllm serve`` takes, into the app's own state, where
+``serving.pipeline`` and vLLM's endpoint functions find them. The engine client those
+objects see is wrapped by ``ObservedEngine``, which records each finished request's
+outcome for the metrics. With ``KVCACHE_WARM_PROMPTS``, the warm-up
+(``serving.warmup``, an engine of its own in a child process) runs to its end first,
+so two engines never share the memory.
 
 ``healthy`` reads two flags (ours and vLLM's ``errored``): no engine call, so it is
 safe on the ``/ping`` path while the engine is busy.
@@ -25,8 +27,14 @@ from typing import Any, Callable, Optional
 
 from cache.config import ConfigError
 from serving.config import EngineSettings
+from serving.engine_args import parse_engine_args
+from serving.model import fetch_model
 from serving.metrics import RequestOutcome, now, outcome_from_output
 from serving.warmup import Warmup
+
+
+class _State:
+    """An attribute bag, for an engine used without an app (tests)."""
 
 log = logging.getLogger(__name__)
 
@@ -36,30 +44,6 @@ class State(enum.Enum):
     READY = "ready"
     STOPPING = "stopping"
     FAILED = "failed"
-
-
-def parse_engine_args(settings: EngineSettings):
-    """vLLM's own CLI parser over our arguments; a bad one raises ``ConfigError``
-    naming the variable that set it. Imports vLLM (slow): call it from a thread."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    sources = dict(settings.arg_sources)
-
-    def fail(message: str):
-        hint = [f"{flag} comes from {var}" for flag, var in sources.items()
-                if flag in message or flag.replace("--", "--no-", 1) in message]
-        raise ConfigError(f"vLLM rejects the engine arguments: {message}"
-                          + (f" ({'; '.join(hint)})" if hint else ""))
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="serving"))
-    parser.error = fail  # type: ignore[method-assign]  # argparse would print usage and exit
-    args = parser.parse_args(list(settings.vllm_args))
-    try:
-        validate_parsed_serve_args(args)
-    except (TypeError, ValueError) as e:
-        fail(str(e))
-    return args
 
 
 class ObservedEngine:
@@ -102,15 +86,19 @@ class Engine:
     """Owns ``AsyncLLM`` and the OpenAI serving objects built on it."""
 
     def __init__(self, settings: EngineSettings, on_finish: Callable[[RequestOutcome], None],
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, vllm_state: Any = None) -> None:
         self.settings = settings
         self.on_finish = on_finish
         self.startup_timeout_s = startup_timeout_s
         self.state = State.STARTING
         self.error: Optional[BaseException] = None
         self.client: Any = None           # vllm.v1.engine.async_llm.AsyncLLM
-        self.chat: Any = None             # OpenAIServingChat
-        self.completion: Any = None       # OpenAIServingCompletion
+        # Where vLLM's init_app_state puts its serving objects (OpenAIServingChat ...):
+        # the app's own state, so that vLLM's endpoint functions, which look them up on
+        # ``request.app.state``, find them.
+        self.vllm_state: Any = vllm_state if vllm_state is not None else _State()
+        self.tasks: tuple[str, ...] = ()
+        self.model_config: Any = None
         self.max_model_len: Optional[int] = None
         self.warmup: Optional[Warmup] = None   # KVCACHE_WARM_PROMPTS, while it runs
 
@@ -145,6 +133,9 @@ class Engine:
     async def _start(self) -> None:
         for key, value in self.settings.env:
             os.environ.setdefault(key, value)
+        source = self.settings.model_source
+        if source is not None and source.s3_uri:  # an S3 model: its files, before vLLM starts
+            await asyncio.to_thread(fetch_model, source)
         args = await asyncio.to_thread(parse_engine_args, self.settings)
         if self.state is State.STOPPING:
             return
@@ -161,19 +152,36 @@ class Engine:
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
-        from starlette.datastructures import State as AppState
-
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
-        tasks = await self.client.get_supported_tasks()
-        if "generate" not in tasks:
-            raise ConfigError(f"model {self.settings.served_model_name} does not generate text "
-                              f"(tasks: {tasks}); this server serves generative models")
-        app_state = AppState()
-        await init_app_state(ObservedEngine(self.client, self.on_finish), app_state, args, tasks)
-        self.chat = app_state.openai_serving_chat
-        self.completion = app_state.openai_serving_completion
-        self.max_model_len = self.client.model_config.max_model_len
+        self.tasks = tuple(await self.client.get_supported_tasks())
+        await init_app_state(ObservedEngine(self.client, self.on_finish), self.vllm_state, args,
+                             self.tasks)
+        self.model_config = self.client.model_config
+        self.max_model_len = self.model_config.max_model_len
+
+    @property
+    def chat(self) -> Any:
+        """vLLM's ``OpenAIServingChat`` (None for a model that does not generate)."""
+        return getattr(self.vllm_state, "openai_serving_chat", None)
+
+    @property
+    def completion(self) -> Any:
+        return getattr(self.vllm_state, "openai_serving_completion", None)
+
+    @property
+    def models(self) -> Any:
+        """vLLM's ``OpenAIServingModels``: the served name and any LoRA adapters."""
+        return getattr(self.vllm_state, "openai_serving_models", None)
+
+    def invocation_types(self) -> list:
+        """vLLM's SageMaker dispatch list for this model's tasks: ``(request model,
+        (get_handler, endpoint))`` pairs, generation first, then pooling, in vLLM's order."""
+        from vllm.entrypoints.generate.factories import get_generate_invocation_types
+        from vllm.entrypoints.pooling.factories import get_pooling_invocation_types
+
+        return (get_generate_invocation_types(self.tasks, self.model_config)
+                + get_pooling_invocation_types(self.tasks, self.model_config))
 
     # -- shutdown ----------------------------------------------------------------------
     async def stop(self, timeout_s: float = 10.0, start_task: Optional[asyncio.Task] = None) -> None:
@@ -194,6 +202,12 @@ class Engine:
             return
         client, self.client = self.client, None
         log.info("stopping the engine (was %s)", previous.value)
+        # vLLM cancels its output handler only after the engine core is gone; meanwhile
+        # the handler reads the dead core and logs an EngineDeadError traceback. Nothing
+        # is in flight any more (the server drained or cut every request): cancel it first.
+        handler = getattr(client, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
         await asyncio.to_thread(client.shutdown, timeout_s)
 
 

@@ -6,7 +6,7 @@ tokens by source (``vllm:prompt_tokens_by_source``: computed, vLLM's prefix cach
 connector), generated tokens, TTFT over all requests, and the cache's own counters per
 tier, which ``TieredKVConnector`` reports through vLLM's connector-stats pipeline
 (``kvcache:tier_hits_total``, ``kvcache:tier_tokens_loaded_total``,
-``kvcache:tier_used_bytes`` ... see ``cache/connector/metrics.py``).
+``kvcache:tier_used_bytes`` ... see ``cache/vllm/metrics.py``).
 
 Ours, from two sources, neither of which blocks a request:
 - request outcomes, recorded on the event loop when a request finishes (``observe``):
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -115,14 +115,17 @@ class NvmlEnergy:
 class ServingMetrics:
     """Our metrics, in their own registry (rendered after vLLM's).
 
-    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``remote``), to
+    ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``shared``), to
     name the slowest tier that served a request.
     """
 
     def __init__(self, kv_bytes_per_token: Optional[int], tier_order: tuple[str, ...] = (),
-                 energy: Optional[NvmlEnergy] = None) -> None:
+                 energy: Optional[NvmlEnergy] = None,
+                 kv_bytes_of: Optional[Callable[[int], int]] = None) -> None:
         self.registry = CollectorRegistry()
         self.kv_bytes_per_token = kv_bytes_per_token
+        # KV bytes of a request of n tokens (hybrid models: windows and state count once)
+        self.kv_bytes_of = kv_bytes_of or (lambda n: n * (kv_bytes_per_token or 0))
         self.tier_order = tier_order
         self.energy = energy
         self.generated_total = 0          # for energy per token (vLLM counts them on its registry)
@@ -152,8 +155,7 @@ class ServingMetrics:
         if outcome.ttft_s is not None:
             self.ttft.labels(slowest).observe(outcome.ttft_s)
         if self.kv_bytes_per_token:
-            self.request_kv_bytes.observe(
-                (outcome.prompt_tokens + outcome.generated_tokens) * self.kv_bytes_per_token)
+            self.request_kv_bytes.observe(self.kv_bytes_of(outcome.prompt_tokens + outcome.generated_tokens))
 
 
 def outcome_from_output(out, generated: int, ttft_s: Optional[float]) -> RequestOutcome:

@@ -1,34 +1,30 @@
-"""Tier sizing: how many bytes, and so how many tokens of KV, each cache tier gets.
+"""The tier plan: the cache configuration resolved once, and what it means for this model.
 
 Runs once at start-up in the server process (``serving.config.build_serving_config``),
-before vLLM starts. The ``KVCACHE_*`` variables always win; where one is unset, this
-module picks a default from the machine:
-
-- L1 DRAM (``KVCACHE_CPU_SIZE``): 20% of the RAM the container may use, but never more
-  than what the model weights, vLLM's own CPU KV pool (CPU machines) and a 4 GiB
-  margin leave, nor more than the free space of the shared-memory folder it lives in.
-- L2 disk (``KVCACHE_DISK_SIZE``): 50% of the free space under ``KVCACHE_DISK_PATH``.
-
-Every size is resolved by ``cache.config.build_cache_config`` (the one parser of
-``KVCACHE_*``), and the resolved byte counts are handed to the connector through
-``kv_connector_extra_config``, so the scheduler, the workers and this plan agree.
+before vLLM starts. ``cache.config.build_cache_config`` (the one reader of
+``KVCACHE_*``, where the defaults live) resolves every size against this machine, given
+the RAM the model weights and vLLM's CPU KV pool need; ``cache.assembly.validate``
+checks the names and the shared URL. The resolved ``CacheConfig`` goes to the connector
+as one serialized value (``cache.vllm.kv_transfer_config``), so the scheduler, the
+workers and this plan agree. Here it is only shown: bytes, tokens and requests per tier.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from cache.config import CacheConfig, build_cache_config
-from cache.footprint import KVFootprint, human_bytes
+from cache.assembly import validate
+from cache.config import DRAM_MARGIN, GiB, CacheConfig, build_cache_config
+from cache.footprint import KVFootprint
+from cache.sizes import human_bytes
 from serving.machine import Machine
 
-GiB = 1 << 30
-DRAM_SHARE = 0.20          # default L1 size: share of the container's RAM
-DRAM_MARGIN = 4 * GiB      # RAM kept for the server, tokenizer, Python heaps
-DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
-SMALL_SHM = 1 * GiB        # below this, the DRAM folder is probably Docker's 64 MiB /dev/shm
+__all__ = ["DRAM_MARGIN", "GiB", "TierPlan", "plan_tiers", "weights_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,30 +41,7 @@ class TierPlan:
     def tokens(self, nbytes: Optional[int]) -> Optional[int]:
         if nbytes is None or self.footprint is None:
             return None
-        return self.footprint.tokens_in(nbytes)
-
-    def connector_extra(self) -> dict[str, str]:
-        """``kv_connector_extra_config`` for ``TieredKVConnector`` (sizes in bytes).
-
-        The signing key stays in the environment: vLLM logs its whole config.
-        """
-        c = self.cache
-        extra = {
-            "kvcache_chunk_tokens": str(c.chunk_tokens),
-            "kvcache_cpu_path": c.cpu_path,
-            "kvcache_cpu_size": str(c.cpu_bytes),
-            "kvcache_disk_path": c.disk_path,
-            "kvcache_disk_size": str(c.disk_bytes),
-            "kvcache_remote_timeout_ms": str(c.remote_timeout_ms),
-            "kvcache_policy": c.policy,
-            "kvcache_io_threads": str(c.io_threads),
-        }
-        if c.remote_url:
-            extra["kvcache_remote_url"] = c.remote_url
-            extra["kvcache_shared_admission"] = c.shared_admission
-        if c.curvine_conf:
-            extra["kvcache_curvine_conf"] = c.curvine_conf
-        return extra
+        return self.footprint.tokens_in(nbytes, self.context_tokens)  # hybrids: windows, state per request
 
     def format(self, model: str) -> str:
         """The plan as one readable block, for the start-up log."""
@@ -94,34 +67,16 @@ class TierPlan:
 
         c = self.cache
         lines.append(row("L0 engine", self.engine_kv_where, self.engine_kv_bytes, " (vLLM prefix cache)"))
-        lines.append(row("L1 DRAM", c.cpu_path, c.cpu_bytes))
+        lines.append(row("L1 dram", c.dram_path, c.dram_bytes))
         lines.append(row("L2 disk", c.disk_path, c.disk_bytes))
-        lines.append(f"  {'L3 remote':<9} {(c.remote_url or 'off'):<34} "
-                     f"{'shared' if c.remote_url else '':>11}"
-                     + (f"  publishes: {c.shared_admission}" if c.remote_url else ""))
+        lines.append(f"  {'L3 shared':<9} {(c.shared_url or 'off'):<34} "
+                     f"{'shared' if c.shared_url else '':>11}"
+                     + (f"  publishes: {c.shared_admission}" if c.shared_url else ""))
         lines.append(f"  chunks of {c.chunk_tokens} tokens, policy {c.policy}, "
                      f"{c.io_threads} I/O threads"
                      + (", entries signed" if c.signing_key else ""))
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
-
-
-def dram_default(machine: Machine, ceiling: int, weights_bytes: Optional[int],
-                 engine_cpu_kv_bytes: int) -> tuple[int, list[str]]:
-    """Default L1 bytes (see the module docstring) and notes explaining any cap."""
-    notes = []
-    share = int(machine.ram_bytes * DRAM_SHARE)
-    reserve = (weights_bytes or 0) + engine_cpu_kv_bytes + DRAM_MARGIN
-    left = max(0, machine.ram_bytes - reserve)
-    size = min(share, left, ceiling)
-    if size < share:
-        why = (f"the free space of the DRAM folder ({human_bytes(ceiling)})" if ceiling < left
-               else f"RAM left after weights, engine KV and margin ({human_bytes(left)})")
-        notes.append(f"DRAM tier capped by {why}")
-    if ceiling < SMALL_SHM:
-        notes.append(f"the DRAM folder's filesystem has only {human_bytes(ceiling)} free; under "
-                     "Docker pass --shm-size, or point KVCACHE_CPU_PATH at a larger tmpfs")
-    return size, notes
 
 
 def plan_tiers(
@@ -134,20 +89,20 @@ def plan_tiers(
     engine_kv_bytes: Optional[int] = None,
     context_tokens: Optional[int] = None,
 ) -> TierPlan:
-    """Resolve every tier size. Raises ``cache.config.ConfigError`` on a bad setting."""
-    # The most each tier could take, measured exactly as the connector will measure it.
-    ceiling = build_cache_config(env, {"kvcache_cpu_size": "100%", "kvcache_disk_size": "100%"})
-    defaults: dict[str, str] = {}
-    notes: list[str] = []
-    if not env.get("KVCACHE_CPU_SIZE"):
-        dram, notes = dram_default(machine, ceiling.cpu_bytes, weights_bytes, engine_cpu_kv_bytes)
-        defaults["kvcache_cpu_size"] = str(dram)
-    if not env.get("KVCACHE_DISK_SIZE"):
-        defaults["kvcache_disk_size"] = DISK_SHARE
-    cache = build_cache_config(env, defaults)
+    """Resolve the cache configuration once. Raises ``cache.config.ConfigError``."""
+    cache = build_cache_config(env, ram_bytes=machine.ram_bytes,
+                               reserved_ram_bytes=(weights_bytes or 0) + engine_cpu_kv_bytes,
+                               kv_bytes_per_token=footprint.bytes_per_token if footprint else None)
+    validate(cache)
+    for note in cache.notes:  # also in the plan; said at once, where an operator looks
+        log.warning("kvcache: %s", note)
     where = (f"GPU HBM ({len(machine.gpus)} x {human_bytes(machine.gpus[0].total_bytes)})"
              if machine.has_gpu else "CPU (VLLM_CPU_KVCACHE_SPACE)")
-    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, tuple(notes))
+    notes = cache.notes
+    if footprint is not None and footprint.state_layers:  # cache.vllm.groups decides at start-up
+        notes += ("Mamba / linear-attention layers: the tiered cache turns itself off for this "
+                  "model (vLLM serves it without; see the connector's start-up line)",)
+    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, notes)
 
 
 def weights_bytes(model_dir: Optional[str]) -> Optional[int]:

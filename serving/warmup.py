@@ -1,10 +1,10 @@
-"""Pre-warming at start-up (``KVCACHE_WARM_PROMPTS``): ``cache.warm`` before serving.
+"""Pre-warming at start-up (``KVCACHE_WARM_PROMPTS``): ``cache.tools.warm`` before serving.
 
 ``Warmup.run`` runs in the server process, on the event loop, inside ``Engine.start``,
 before ``AsyncLLM`` is built. It starts ``python -m serving.warmup`` as a child process,
 which parses the serving engine's own arguments with vLLM's parser (same model, engine
 arguments and ``kv_connector_extra_config``, i.e. the same tier sizes and folders), runs
-``cache.warm.warm`` (its own vLLM engine with our connector: computes the prompts,
+``cache.tools.warm.warm`` (its own vLLM engine with our connector: computes the prompts,
 reads them back so they are published to the shared tier, shuts down flushing the
 publish queue) and exits. Only then does the serving engine start: the two engines
 never hold memory at the same time, and the child's exit releases everything the
@@ -33,7 +33,7 @@ from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZE = 16            # prompts per batch (cache.warm's default); a batch must fit L1 + L2
+BATCH_SIZE = 16            # prompts per batch (cache.tools.warm's default); a batch must fit L1 + L2
 KILL_GRACE_S = 5.0         # SIGTERM -> SIGKILL of the warm-up's process group
 EXIT_CONFIG_ERROR = 2
 
@@ -82,11 +82,11 @@ class Warmup:
                       f": {report['error']}" if report.get("error") else "; see the log above")
             return None
         reloaded = report.get("reloaded") or {}
-        published = sum(n for tier, n in reloaded.items() if tier != "remote")
+        published = sum(n for tier, n in reloaded.items() if tier != "shared")
         log.info("warm-up done: %d prompts, %d tokens in %.1f s; %d tokens published to the shared "
                  "tier now, %d were shared already (tokens read back per tier: %s)",
                  report["prompts"], report["tokens"], report["seconds"], published,
-                 reloaded.get("remote", 0), reloaded or "none")
+                 reloaded.get("shared", 0), reloaded or "none")
         return report
 
     def kill(self) -> None:
@@ -131,7 +131,7 @@ def _read_json(path: str) -> dict:
 
 # -- the child process --------------------------------------------------------------
 def warm_arguments(args) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """``(model, cache settings, vllm.LLM arguments)`` for ``cache.warm.warm`` from the
+    """``(model, cache settings, vllm.LLM arguments)`` for ``cache.tools.warm.warm`` from the
     serving engine's parsed ``vllm serve`` arguments: the same engine, but with the
     connector and prefix caching that ``warm`` sets itself."""
     from vllm.engine.arg_utils import EngineArgs
@@ -147,7 +147,7 @@ def warm_arguments(args) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
 
 def main() -> int:
-    """``python -m serving.warmup`` < job JSON: run ``cache.warm.warm``, write the report."""
+    """``python -m serving.warmup`` < job JSON: run ``cache.tools.warm.warm``, write the report."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # SIGTERM ends the warm-up through warm()'s own shutdown path (engine shut down).
@@ -155,8 +155,8 @@ def main() -> int:
     job = json.load(sys.stdin)
     code, report = 0, {}
     try:
-        from cache.warm import warm
-        from serving.engine import parse_engine_args
+        from cache.tools.warm import warm
+        from serving.engine_args import parse_engine_args
 
         settings = EngineSettings(vllm_args=tuple(job["vllm_args"]),
                                   arg_sources=tuple(tuple(p) for p in job["arg_sources"]))

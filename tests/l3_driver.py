@@ -6,11 +6,15 @@ start-ups per engine; the connector's scheduler and worker sides are still separ
 objects with separate stores, as in a multi-process engine. Reads a JSON spec from
 argv[1]; writes one JSON line per step to stdout, prefixed with ``RESULT ``.
 
-Spec: {"model": PATH, "cache": {kvcache_* settings},
+The configuration is resolved once here from ``spec["cache"]`` (``KVCACHE_*`` settings,
+also set in the environment, where the signing key is read) and handed to the
+connector as one serialized value, as the server does.
+
+Spec: {"model": PATH, "cache": {KVCACHE_* settings},
        "steps": [{"prompt_token_ids": [...]} | {"reset_prefix_cache": true} |
                  {"warm": [[token ids], ...]} | {"shutdown": true}]}
 
-``warm`` runs ``cache.warm.warm_engine`` (what ``python -m cache.warm`` does);
+``warm`` runs ``cache.tools.warm.warm_engine`` (what ``python -m cache.tools.warm`` does);
 ``shutdown`` shuts the engine down the way the warm tool does, which flushes the
 cache's write and publish queues.
 """
@@ -26,13 +30,15 @@ import time
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(spec["cache"])
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from cache.warm import shutdown_engine, warm_engine
+    from cache.config import build_cache_config
+    from cache.tools.warm import shutdown_engine, warm_engine
+    from cache.vllm import kv_transfer_config
 
-    transfer = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="cache.vllm_connector",
-                                kv_role="kv_both", kv_connector_extra_config=spec["cache"])
+    transfer = KVTransferConfig(**kv_transfer_config(build_cache_config()))
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")
     params = SamplingParams(max_tokens=3, logprobs=5, temperature=0)

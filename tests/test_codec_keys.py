@@ -23,7 +23,7 @@ def test_keys_are_stable_chained_and_namespaced():
     changed[10] = 7
     b = chunk_keys(ns().digest, changed, 256)
     assert all(x != y for x, y in zip(a, b))  # a change poisons every later key
-    assert chunk_keys(ns(tp_rank=1).digest, toks, 256)[0] != a[0]
+    assert chunk_keys(ns(rank=1).digest, toks, 256)[0] != a[0]
     assert chunk_keys(ns(model_digest="e").digest, toks, 256)[0] != a[0]
     assert chunk_keys(ns().digest, toks, 256, salt="lora:x")[0] != a[0]
 
@@ -76,3 +76,9 @@ def test_signing():
     unsigned, _ = entry()
     with pytest.raises(CorruptEntry):
         decode(unsigned, ns().digest, "ab" * 16, b"secret")
+
+
+def test_namespace_ids_stay_what_they_were():
+    """Entries already stored (disk, the shared tier) stay reachable: the namespace digest
+    of a given configuration never changes, field renames included."""
+    assert Namespace("m", "d", "bf16", "x", rank=1, world_size=2).id == "6d06028380c8f86b4121a187d72cf3b9"

@@ -39,12 +39,12 @@ HIT_P1 = 1500 - 1                     # a tier hit loads all but the last token
 L0_P1 = (1500 - 1) // BLOCK * BLOCK   # 1408: vLLM's own prefix cache holds whole blocks
 
 
-def cache_spec(tmp, name, cpu_size="64MiB", disk_size="256MiB", disk=None):
+def cache_spec(tmp, name, dram_size="64MiB", disk_size="256MiB", disk=None):
     return {
-        "kvcache_cpu_path": str(tmp / f"shm-{name}"),
-        "kvcache_cpu_size": cpu_size,
-        "kvcache_disk_path": str(disk or tmp / f"disk-{name}"),
-        "kvcache_disk_size": disk_size,
+        "KVCACHE_DRAM_PATH": str(tmp / f"shm-{name}"),
+        "KVCACHE_DRAM_SIZE": dram_size,
+        "KVCACHE_DISK_PATH": str(disk or tmp / f"disk-{name}"),
+        "KVCACHE_DISK_SIZE": disk_size,
     }
 
 
@@ -70,7 +70,7 @@ def one_engine(model_path, tmp):
     short prompts. DRAM holds only ~4 chunk entries, so some chunks go down to disk."""
     spec = {
         "model": model_path,
-        "cache": cache_spec(tmp, "a", cpu_size="2MiB"),
+        "cache": cache_spec(tmp, "a", dram_size="2MiB"),
         "steps": [
             {"prompt_token_ids": P1},
             {"prompt_token_ids": P1},
@@ -139,7 +139,7 @@ def two_engines(model_path, tmp):
     procs = [start_engine({
         "model": model_path,
         "prefix_caching": False,
-        "cache": cache_spec(tmp, name, cpu_size="0", disk=shared),
+        "cache": cache_spec(tmp, name, dram_size="0", disk=shared),
         "steps": [{"prompt_token_ids": own}, *salted, {"sleep": 1.0}, {"touch": str(mine)},
                   {"wait_for": str(theirs)}, {"prompt_token_ids": other}],
     }) for (own, mine, theirs, other, name), salted in zip(specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}], []))]
@@ -204,7 +204,7 @@ def test_damaged_entries_are_recomputed_not_served(fresh_engine, one_engine, tmp
 
 
 def test_bad_chunk_size_stops_startup_with_one_message(model_path, tmp):
-    spec = {"model": model_path, "cache": {**cache_spec(tmp, "bad"), "kvcache_chunk_tokens": "200"},
+    spec = {"model": model_path, "cache": {**cache_spec(tmp, "bad"), "KVCACHE_CHUNK_TOKENS": "200"},
             "steps": []}
     with pytest.raises(AssertionError) as err:
         run_engine(spec, timeout=300)

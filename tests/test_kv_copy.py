@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cache.kv_copy import BlockCopier, KVLayout
+from cache.vllm.kv_copy import BlockCopier, KVLayout
 
 
 @pytest.mark.parametrize("shape", [(10, 2, 4, 8), (2, 10, 4, 8), (10, 4, 16)])
@@ -20,7 +20,7 @@ def test_gather_scatter_roundtrip(shape):
         assert torch.equal(entry[i].select(bd, 1), caches[name].select(bd, 2))
 
     # scatter into other blocks, skipping the entry's first block
-    copier.scatter([0, 9], entry, first=1)
+    copier.scatter([0, 9], entry, skip_blocks=1)
     for name in layout.layer_names:
         assert torch.equal(caches[name].select(bd, 0), caches[name].select(bd, 2))
         assert torch.equal(caches[name].select(bd, 9), caches[name].select(bd, 5))
@@ -28,7 +28,7 @@ def test_gather_scatter_roundtrip(shape):
 
     # load only the entry's leading blocks (a tail whose last block holds only the
     # prompt's last token, which vLLM computes)
-    copier.scatter([4], entry, first=1)
+    copier.scatter([4], entry, skip_blocks=1)
     for name in layout.layer_names:
         assert torch.equal(caches[name].select(bd, 4), caches[name].select(bd, 2))
 

@@ -495,19 +495,3 @@ def test_memory_per_chunk_fits_ten_million_in_well_under_2_gb():
     print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk "
           f"-> {per_chunk * 10e6 / 2**30:.2f} GiB for 10 million")
     assert per_chunk * 10_000_000 < 1.6 * 2**30
-
-
-def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path):
-    """DRAM above disk takes everything (what it evicts is demoted); disk, the last local
-    tier, judges admission; a shared tier below them changes neither."""
-    from cache.config import build_cache_config
-    from cache.connector.worker import WorkerSide
-    from cache.keys import Namespace
-
-    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "1MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",
-                              "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3"})
-    side = WorkerSide(cfg, Namespace("m", "d", "bfloat16", "x"), num_blocks=4, block_size=16)
-    dram, disk = side.store.policies[:2]
-    assert isinstance(dram, PrefixAdaptivePolicy) and not dram.last_tier and disk.last_tier
-    side.shutdown()

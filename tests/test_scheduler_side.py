@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from cache.config import build_cache_config
-from cache.connector.scheduler import SchedulerSide
+from cache.vllm.scheduler import SchedulerSide
 from cache.keys import Namespace
 from cache.store import TieredStore
 from cache.policy import LRUPolicy
-from cache.tiers import make_tiers
+from cache.assembly import build_tiers
 
 BLOCK, CHUNK = 128, 256
 
@@ -25,12 +25,12 @@ class Blocks:
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "16MiB",
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager)
-    writer = TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])
+    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])
     return side, writer
 
 
@@ -94,7 +94,7 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     meta = side.build_connector_meta(output())
     (load,) = meta.loads
     assert meta.upcoming == [c.key for c in side.requests["b"].chunks]  # protected until loaded
-    assert load.chunks[0].first == 1 and load.chunks[0].block_ids == [3]
+    assert load.chunks[0].skip_blocks == 1 and load.chunks[0].block_ids == [3]
     assert [b for c in load.chunks for b in c.block_ids] == list(range(3, 12))
     assert side.request_finished(again) == {"dram": 1499 - 384}
 
@@ -137,12 +137,12 @@ def test_nothing_saved_twice(setup):
 def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monkeypatch):
     """The same prompt again before write-behind stored its chunks (the warm tool's second
     pass): deferred until every rank reports the saves settled, not served half."""
-    cfg = build_cache_config({"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "16MiB",
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
-    ranks = [Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK, tp_rank=r) for r in range(2)]
+    ranks = [Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK, rank=r) for r in range(2)]
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, ranks, BLOCK, lambda: manager)
-    writers = [TieredStore(make_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()]) for ns in ranks]
+    writers = [TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()]) for ns in ranks]
 
     side.get_num_new_matched_tokens(request("a", 700), 0)
     meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700}))
@@ -164,7 +164,7 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
 
     # the wait counts from the waiting request, not from the save: a save sent before a
     # forward pass longer than the wait still defers a request that arrives after it
-    import cache.connector.scheduler as sched
+    import cache.vllm.scheduler as sched
     clock = [sched.time.monotonic()]
     monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
     side.get_num_new_matched_tokens(request("e", 700, seed=4), 0)

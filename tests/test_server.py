@@ -23,9 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.invocations import BadRequest, TgiStream, parse_tgi, shape_of, tgi_to_completion
+from pydantic import ValidationError
+
+from serving.errors import ClientError
 from serving.metrics import RequestOutcome
-from serving.sessions import SessionError, Sessions, parse_session_request
+from serving.pipeline import shape_of
+from serving.tgi import TgiStream, parse_tgi, tgi_to_completion
 from tests.conftest import close_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,10 +42,11 @@ def test_shapes():
     assert shape_of({"messages": []}) == "chat"
     assert shape_of({"prompt": "x"}) == "completion"
     assert shape_of({"inputs": "x"}) == "tgi"
-    assert shape_of({"requestType": "NEW_SESSION"}) == "session"
-    for bad in ({"input": "x"}, [], "x", 3):
-        with pytest.raises(BadRequest):
-            shape_of(bad)
+    with pytest.raises(ClientError):
+        shape_of({"input": "x"})
+    # a model that pools: vLLM's pooling requests, whatever their keys
+    assert shape_of({"input": "x"}, ("embed",)) == "pooling"
+    assert shape_of({"messages": []}, ("generate", "embed")) == "chat"
 
 
 def test_tgi_translation():
@@ -53,10 +57,15 @@ def test_tgi_translation():
     assert body["max_tokens"] == 7 and body["temperature"] == 0.0 and body["stop"] == ["\n", "END"]
     assert body["logprobs"] == 2 and body["seed"] == 3 and body["truncate_prompt_tokens"] == 100
     assert body["return_token_ids"] and body["stream"] and body["model"] == "m"
+    salted = tgi_to_completion(parse_tgi({"inputs": "hi", "model": "adapter-1",
+                                          "parameters": {"cache_salt": "tenant-a"}}), "m")
+    assert salted["cache_salt"] == "tenant-a" and salted["model"] == "adapter-1"
+    assert "cache_salt" not in tgi_to_completion(parse_tgi({"inputs": "hi"}), "m")
     for bad in ({"inputs": 5}, {"inputs": ""}, {"inputs": "x", "parameters": {"temperature": -1}},
                 {"inputs": "x", "parameters": {"max_new_tokens": 0}},
-                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1}):
-        with pytest.raises(BadRequest):
+                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1},
+                {"inputs": "x", "parameters": {"cache_salt": ""}}):
+        with pytest.raises(ValidationError):
             parse_tgi(bad)
 
 
@@ -71,22 +80,6 @@ def test_tgi_stream_holds_back_the_last_event():
     assert [p["token"]["text"] for p in parsed] == ["a", "b"]
     assert parsed[0]["generated_text"] is None and parsed[-1]["generated_text"] == "ab"
     assert parsed[-1]["details"] == {"finish_reason": "length", "generated_tokens": 2, "seed": None}
-
-
-def test_sessions_expire_and_close():
-    now = [1000.0]
-    s = Sessions(ttl_s=10, clock=lambda: now[0])
-    sid, header = s.create()
-    assert header.startswith(f"{sid}; Expires=") and s.is_live(sid)
-    s.close(sid)
-    with pytest.raises(SessionError):
-        s.close(sid)
-    sid2, _ = s.create()
-    now[0] += 11
-    assert not s.is_live(sid2)
-    assert parse_session_request({"requestType": "CLOSE"}) == "CLOSE"
-    with pytest.raises(SessionError):
-        parse_session_request({"requestType": "OPEN"})
 
 
 def test_outcome_names_the_slowest_tier():
@@ -172,8 +165,8 @@ class Server:
 def _serve(env_extra: dict, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_"))}
     env.update({"PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(_free_port()),
-                "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-                "KVCACHE_CPU_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
+                "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+                "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
     return subprocess.run([sys.executable, "-m", "serving"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -199,16 +192,19 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
     env.update({
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
-        "KVCACHE_CPU_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-        "KVCACHE_CPU_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
+        # 31 chunks of the test model in DRAM: the module's traffic evicts, demotes, promotes
+        "KVCACHE_DRAM_SIZE": "16MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
+        "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
         **env_extra,
     })
     log = tmp / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: killable as a whole
     url = f"http://127.0.0.1:{port}"
     pings: list[tuple[int, float]] = []
     srv = Server(proc, url, log, tmp, pings)
@@ -248,8 +244,9 @@ def server(tmp_path_factory, model_path):
     (tmp / "l3").mkdir()
     (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
     srv = start_server(tmp, model_path, {
-        "KVCACHE_REMOTE_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
+        "KVCACHE_SHARED_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
         "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
+        "SERVING_DRAIN_SECONDS": "5",
     })
     try:
         yield srv
@@ -361,21 +358,27 @@ def test_openai_chat_stream(server):
 
 @engine
 def test_stateful_session(server):
+    """Sessions as the SageMaker standards library runs them (vLLM's own router too)."""
     r = server.post({"requestType": "NEW_SESSION"})
     assert r.status_code == 200
     sid = r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]
     assert "Expires=" in r.headers["X-Amzn-SageMaker-New-Session-Id"]
     r = server.post({"inputs": "turn one", "parameters": {"max_new_tokens": 2}}, headers={SESSION: sid})
-    assert r.status_code == 200 and r.headers[SESSION] == sid
+    assert r.status_code == 200, r.text
     r = server.post({"messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2},
                     headers={SESSION: sid})
-    assert r.status_code == 200 and r.headers[SESSION] == sid
+    assert r.status_code == 200, r.text
+    # NEW_SESSION on an ordinary request is served as one (no session is opened)
+    r = server.post({"prompt": "x", "max_tokens": 1}, headers={SESSION: "NEW_SESSION"})
+    assert r.status_code == 200, r.text
     r = server.post({"requestType": "CLOSE"}, headers={SESSION: sid})
     assert r.status_code == 200 and r.headers["X-Amzn-SageMaker-Closed-Session-Id"] == sid
     r = server.post({"inputs": "after close"}, headers={SESSION: sid})
-    assert r.status_code == 400 and "not open" in r.json()["error"]["message"]
-    assert server.post({"requestType": "CLOSE"}).status_code == 400      # no session header
+    assert r.status_code == 400 and "session not found" in r.json()["error"]["message"]
     assert server.post({"requestType": "BOGUS"}).status_code == 400
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 
 
 @engine
@@ -383,23 +386,88 @@ def test_stateful_session(server):
     (b'{"inputs": "x",', 400, "malformed JSON"),
     (b"", 400, "malformed JSON"),
     (b"[1, 2]", 400, "JSON object"),
+    (b"[" * 1000 + b"]" * 1000, 400, "deep"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "digits"),
     ({"nothing": 1}, 400, "unknown request shape"),
     ({"inputs": 5}, 400, "inputs"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"messages": "hi"}, 400, "messages"),
+    ({"messages": 1.5}, 400, "not iterable"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 2}, 400, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"prompt": "", "max_tokens": 1}, 400, "prompt"),
+    ({"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
+    ({**CHAT, "tool_choice": "auto"}, 400, "tools"),
+    ({**CHAT, "top_logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
+    ({"prompt": "x", "prompt_logprobs": -5}, 400, "prompt_logprobs"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ({**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, 400, "not a chat role"),
+    ({**CHAT, "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "SERVING_MAX_N"),
     ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
     ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
+    ({"inputs": "x", "parameters": {"cache_salt": ""}}, 400, "cache_salt"),
     ({"prompt": "a" * 5000, "max_tokens": 4}, 400, "maximum context length"),
     ({"inputs": "a" * 5000}, 400, "maximum context length"),
 ])
 def test_bad_input_is_a_4xx_with_a_message(server, body, status, words):
     r = server.post(body)
     assert r.status_code == status, r.text
-    assert words in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status and err["type"]
+
+
+@engine
+def test_bad_stream_is_refused_before_its_200_and_every_status_is_counted(server):
+    before = server.metric("sagemaker_invocations_total", 'shape="completion",status="400"')
+    with server.client.stream("POST", "/invocations", json={"prompt": "x", "stream": True,
+                                                            "logprobs": 100}) as r:
+        r.read()
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert "logprobs" in r.json()["error"]["message"]
+    r = server.post({"prompt": "x", "max_tokens": 1}, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == 415
+    after = server.metric("sagemaker_invocations_total", 'shape="completion",status="400"')
+    assert after == before + 1
+    assert server.metric("sagemaker_invocations_total", 'shape="unknown",status="415"') >= 1
+
+
+@engine
+def test_openai_routes_on_the_same_port(server):
+    models = server.client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["default-model"]
+    r = server.client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    r = server.client.post("/v1/completions", json={"prompt": "x", "n": 1000})
+    assert r.status_code == 400 and "SERVING_MAX_N" in r.json()["error"]["message"]
+    r = server.client.post("/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 400 and "does not serve embeddings" in r.json()["error"]["message"]
+
+
+SALTED_PROMPT = "".join(chr(97 + (i * 13) % 26) for i in range(1100))
+
+
+@engine
+def test_cache_salt_through_invocations(server):
+    """A prompt stored under one salt (sent as TGI's ``cache_salt`` parameter) is loaded
+    from our tiers only by a request with the same salt (sent as OpenAI's field), never
+    by another salt or by none (vLLM's own prefix cache is off on this server)."""
+    r = server.post({"inputs": SALTED_PROMPT, "parameters": {"max_new_tokens": 1,
+                                                              "cache_salt": "tenant-a"}})
+    assert r.status_code == 200, r.text
+    time.sleep(1.0)  # the write-behind stores the chunks
+
+    def loaded(**salt) -> int:
+        out = server.post({"prompt": SALTED_PROMPT, "max_tokens": 1, **salt}).json()
+        return sum((out["kv_transfer_params"] or {}).get("kvcache_loaded_tokens", {}).values())
+
+    assert loaded(cache_salt="tenant-b") == 0
+    assert loaded() == 0
+    assert loaded(cache_salt="tenant-a") >= 1024
 
 
 @engine
@@ -442,6 +510,76 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
 
 
 @engine
+def test_explain_header_on_request_and_misses_by_cause(server):
+    """The opt-in header (asked directly, or through SageMaker's custom attributes, the one
+    header SageMaker's runtime forwards both ways), and ``kvcache:misses_total`` counting
+    the computed tokens by cause, through vLLM's connector stats."""
+    prompt = "".join(chr(97 + (i * 17) % 26) for i in range(1300))
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+    miss = re.compile(r'^kvcache:misses_total{[^}]*cause="never_stored"[^}]*} (\S+)$', re.M)
+    before = sum(float(v) for v in miss.findall(server.client.get("/metrics").text))
+    cold = server.post(body, headers={"X-Kvcache-Explain": "true"})
+    assert cold.status_code == 200, cold.text
+    assert re.fullmatch(r"never_stored:0-13\d\d", cold.headers["X-Kvcache-Explain"])
+    time.sleep(1.0)  # the write-behind stores the chunks
+    hit = server.post(body, headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=7; kvcache-explain=true"})
+    assert re.fullmatch(r"dram:0-13\d\d", hit.headers["X-Kvcache-Explain"])
+    assert hit.headers["X-Amzn-SageMaker-Custom-Attributes"] == "kvcache-explain=" + hit.headers["X-Kvcache-Explain"]
+    assert "X-Kvcache-Explain" not in server.post(body).headers  # not asked: not sent
+    tokens = int(cold.headers["X-Kvcache-Explain"].rsplit("-", 1)[1])
+    deadline = time.monotonic() + 10
+    while sum(float(v) for v in miss.findall(server.client.get("/metrics").text)) - before < tokens:
+        assert time.monotonic() < deadline, "kvcache:misses_total did not count the cold request"
+        time.sleep(0.5)
+
+
+@engine
+def test_inspect_repair_while_the_server_uses_the_folders(server):
+    """``cache.tools.inspect`` on the running server's tiers: ``--verify`` finds planted
+    damage (a flipped payload bit, a crashed writer's file, a skewed byte account),
+    ``--repair`` removes it under the folders' lock, and the server keeps using them."""
+    from cache.codec import HEADER_SIZE
+    from cache.tiers.layout import USAGE, folder_usage, temp_path
+
+    prompt = "".join(chr(97 + (i * 19) % 26) for i in range(1300))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    server.post(body)
+    time.sleep(1.0)  # the write-behind stores the chunks
+    dram = server.tiers / "dram"
+    newest = max((p for p in dram.rglob("*") if p.is_file() and len(p.name) == 32), key=lambda p: p.stat().st_mtime)
+    raw = bytearray(newest.read_bytes())
+    raw[HEADER_SIZE + 11] ^= 0xFF
+    newest.write_bytes(raw)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    crashed = temp_path(str(newest), 4096).replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    Path(crashed).write_bytes(b"half")
+    with open(dram / ".usage", "r+b") as f:
+        f.write(USAGE.pack(folder_usage(dram) + 12345))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "16MiB",
+                "KVCACHE_DISK_PATH": str(server.tiers / "disk"), "KVCACHE_DISK_SIZE": "1GiB",
+                "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
+
+    def inspect(*args):
+        return subprocess.run([sys.executable, "-m", "cache.tools.inspect", *args], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    found = inspect("--verify")
+    assert found.returncode == 1 and f"damaged   {newest}: payload checksum mismatch" in found.stdout, found
+    assert f"orphan    {crashed}" in found.stdout and "MISMATCH" in found.stdout
+    fixed = inspect("--repair")
+    assert fixed.returncode == 0 and not newest.exists() and not os.path.exists(crashed), fixed.stdout
+    again = server.post(body).json()  # the chunks left load; the removed one is computed again
+    loaded = again["kv_transfer_params"]["kvcache_loaded_tokens"]
+    assert loaded.get("dram", 0) >= 1024, again["kv_transfer_params"]
+    time.sleep(1.0)
+    assert server.post(body).json()["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1299
+    clean = inspect("--verify")
+    assert clean.returncode == 0 and "MISMATCH" not in clean.stdout, clean.stdout
+
+
+@engine
 def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_path, model_path):
     """Two servers, each with its own DRAM and disk tiers, one shared L3 folder: a prompt
     used twice on the first (so it is published) loads from L3 on the second, with the
@@ -452,13 +590,13 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
     time.sleep(1.0)
     first = server.post(body).json()  # a DRAM hit: a second use, published to L3
     assert sum(first["kv_transfer_params"]["kvcache_loaded_tokens"].values()) >= 1024
-    other = start_server(tmp_path, model_path, {"KVCACHE_REMOTE_URL": f"file://{server.tiers}/l3/kv"})
+    other = start_server(tmp_path, model_path, {"KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
     try:
         second = other.post(body).json()
     finally:
         stop_server(other)
     loaded = second["kv_transfer_params"]["kvcache_loaded_tokens"]
-    assert loaded.get("remote", 0) >= 1024 and "dram" not in loaded and "disk" not in loaded
+    assert loaded.get("shared", 0) >= 1024 and "dram" not in loaded and "disk" not in loaded
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
 
@@ -468,13 +606,14 @@ def test_metrics(server):
     text = server.client.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source",
                  "kvcache:tier_hits_total", "kvcache:tier_tokens_loaded_total", "kvcache:tier_used_bytes",
+                 "kvcache:misses_total",
                  "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
                  "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
                  "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
     assert server.tier_metric("used_bytes", "dram", wait_for=1) > 0
-    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 256 * 2**20
+    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 16 * 2**20
     assert server.tier_metric("bytes_written", "dram", wait_for=1) > 0
     assert server.tier_metric("bytes_read", "dram", wait_for=1) > 0
     assert server.tier_metric("load_seconds", "dram", wait_for=1e-9) > 0
@@ -483,41 +622,171 @@ def test_metrics(server):
     assert not re.search(r"^kvcache_(tier_|prefix_tokens|dropped_writes)", text, re.M)
 
 
+class RuntimeProxy:
+    """SageMaker's runtime front door, reduced to its routing: ``POST
+    /endpoints/NAME/invocations`` goes to the container's ``/invocations`` with the body
+    and the headers botocore sends (content type, accept, session), and the container's
+    answer comes back as is. Lets the real botocore client (signing, serialisation,
+    ``NewSessionId`` parsing) talk to a local server."""
+
+    def __init__(self, target: str) -> None:
+        import http.server
+
+        forward = httpx.Client(base_url=target, timeout=120)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                keep = {k: v for k, v in self.headers.items()
+                        if k.lower() in ("content-type", "accept") or k.lower().startswith("x-amzn-sagemaker-")}
+                r = forward.post("/invocations", content=body, headers=keep)
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() in ("content-type",) or k.lower().startswith("x-amzn-sagemaker-"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
 @engine
-def test_sigterm_drains_in_flight_request_and_exits_zero(server):
-    """Last: stops the module's server."""
+def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
+    """deploy/sagemaker_endpoint.py's ``invoke`` with the real sagemaker-runtime client."""
+    import boto3
+
+    from tests.test_deploy import cli
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
+        monkeypatch.setenv(k, v)
+    proxy = RuntimeProxy(server.url)
+    try:
+        rt = boto3.client("sagemaker-runtime", region_name="us-east-1", endpoint_url=proxy.url)
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+        # NEW_SESSION: the helper opens a session, sends the body in it, returns the new id
+        answer, sid = cli.invoke(rt, "kv", body, session_id="NEW_SESSION")
+        assert isinstance(answer["generated_text"], str) and sid not in (None, "NEW_SESSION")
+        answer, again = cli.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                                   session_id=sid)
+        assert again == sid and answer["object"] == "chat.completion"
+        # an ordinary request with SessionId=NEW_SESSION sent by hand is served, opening
+        # nothing, as the standards library does
+        plain = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
+                                   Body=json.dumps(body), SessionId="NEW_SESSION")
+        assert "NewSessionId" not in plain and "generated_text" in json.loads(plain["Body"].read())
+        _, closed = cli.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
+        assert closed is None
+    finally:
+        proxy.close()
+
+
+# Dashboard series that answer only once their event happened (a failure, a read from L3,
+# which only another server of this module makes) or on a GPU host (NVML).
+EVENT_ONLY = {"kvcache:tier_timeouts_total", "kvcache:tier_unavailable_total", "kvcache:tier_errors_total",
+              "kvcache:tier_corrupt_total", "kvcache:tier_dropped_writes_total",
+              "kvcache:tier_dropped_publishes_total", "kvcache_gpu_energy_joules_total",
+              "kvcache_energy_per_generated_token_joules"}
+
+
+@engine
+def test_dashboard_names_exported_series_and_its_queries_answer(server):
+    """deploy/grafana/kvcache.json against this server: every series a query names is on
+    its /metrics (the GPU energy ones are declared in serving/metrics.py instead), and a
+    real Prometheus scraping it answers every query after some traffic."""
+    from bench.dashboard import Prometheus, answers, exported_names, metric_names, queries, traffic
+
+    exported = exported_names(server.client.get("/metrics").text)
+    source = (REPO / "serving" / "metrics.py").read_text()
+    for title, _legend, expr in queries():
+        for name in metric_names(expr):
+            assert name in exported or (name in EVENT_ONLY and f'"{name.removesuffix("_total")}"' in source), \
+                (title, name)
+    try:
+        prom = Prometheus(server.url.split("://", 1)[1])
+    except FileNotFoundError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("prometheus is not installed (apt-get install prometheus; .ci/run installs it)")
+    with prom:
+        traffic(server.url, prompts=2)
+        server.post({"prompt": LONG_PROMPT, "max_tokens": 1})  # long evicted from DRAM: a disk hit, promoted
+        deadline = time.monotonic() + 60
+        while prom.scrapes() < 8:
+            assert time.monotonic() < deadline, "prometheus does not scrape the server"
+            time.sleep(1)
+        empty = []
+        for title, legend, expr, result in answers(prom, "1m"):
+            if not result:
+                empty.append((title, legend, expr))
+    silent = [e for e in empty if not (metric_names(e[2]) & EVENT_ONLY or 'tier="shared"}' in e[2]
+                                       and "tier_hits_total" in e[2])]
+    assert not silent, silent
+
+
+@engine
+def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(server):
+    """Last: stops the module's server (drain deadline SERVING_DRAIN_SECONDS=5). A short
+    request in flight finishes; long ones still running at the deadline are cut: the
+    non-streamed one answers the JSON 503, the stream ends with a 503 error event."""
     result: dict = {}
 
-    def in_flight():
-        with server.client.stream("POST", "/invocations", json={
-                "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 120, "ignore_eos": True,
-                "stream": True}) as r:
+    def stream(name: str, body: dict):
+        with server.client.stream("POST", "/invocations", json={**body, "stream": True}) as r:
             lines = []
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     lines.append(line)
-                    result.setdefault("first", time.monotonic())
-            result["status"], result["lines"] = r.status_code, lines
+                    result.setdefault(name + "-first", time.monotonic())
+            result[name] = (r.status_code, lines)
 
-    t = threading.Thread(target=in_flight)
-    t.start()
-    while "first" not in result:
-        assert t.is_alive() and server.proc.poll() is None
+    def plain():
+        r = server.post({"prompt": "cut me", "max_tokens": 3000, "ignore_eos": True})
+        result["plain"] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=stream, args=("short", {
+                   "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 20, "ignore_eos": True})),
+               threading.Thread(target=stream, args=("long", {
+                   "prompt": "cut this stream", "max_tokens": 3000, "ignore_eos": True})),
+               threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    while not ("short-first" in result and "long-first" in result):
+        assert all(t.is_alive() for t in threads[:2]) and server.proc.poll() is None, result
         time.sleep(0.05)
+    log_before = len(server.log.read_text())
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
     refused = httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5)
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
     code = server.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent
-    t.join(10)
+    for t in threads:
+        t.join(10)
     assert code == 0, server.tail()
     assert elapsed < 30
-    assert result["status"] == 200 and result["lines"][-1] == "data: [DONE]"
-    finished = [json.loads(line[5:]) for line in result["lines"][:-1]]
+    status, lines = result["short"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    finished = [json.loads(line[5:]) for line in lines[:-1]]
     assert any(c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in finished)
+    status, body = result["plain"]
+    assert status == 503 and "drain deadline" in body["error"]["message"], body
+    status, lines = result["long"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][5:])["error"]["code"] == 503
+    after = server.log.read_text()[log_before:]
+    assert "Traceback" not in after and "EngineDeadError" not in after, after[-3000:]
     # the tiers were left consistent: every write published, no temporary files behind
     leftovers = [p for p in server.tiers.rglob("*") if ".tmp-" in p.name]
     assert not leftovers and any((server.tiers / "dram").rglob("*/*/*"))

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from cache.warm import prompt_tokens, read_prompts
+from cache.tools.warm import prompt_tokens, read_prompts
 from tests.conftest import REPO, engine_env
 
 CHUNK = 256
@@ -45,12 +45,12 @@ def run_l3_engine(spec: dict, timeout: float = 300) -> list[dict]:
 
 def cache_spec(tmp, name: str) -> dict:
     return {
-        "kvcache_cpu_path": str(tmp / f"shm-{name}"),
-        "kvcache_cpu_size": "64MiB",
-        "kvcache_disk_path": str(tmp / f"disk-{name}"),
-        "kvcache_disk_size": "256MiB",
-        "kvcache_remote_url": f"file://{tmp}/l3",
-        "kvcache_signing_key": KEY,
+        "KVCACHE_DRAM_PATH": str(tmp / f"shm-{name}"),
+        "KVCACHE_DRAM_SIZE": "64MiB",
+        "KVCACHE_DISK_PATH": str(tmp / f"disk-{name}"),
+        "KVCACHE_DISK_SIZE": "256MiB",
+        "KVCACHE_SHARED_URL": f"file://{tmp}/l3",
+        "KVCACHE_SIGNING_KEY": KEY,
     }
 
 
@@ -82,9 +82,9 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
         "cache": cache_spec(tmp_path, "b"),
         "steps": [{"prompt_token_ids": P1}, {"prompt_token_ids": P2}],
     })
-    assert hit["loaded"] == {"remote": HIT_P1}
+    assert hit["loaded"] == {"shared": HIT_P1}
     assert hit["token_ids"] == reference["token_ids"] and hit["logprobs"] == reference["logprobs"]
-    assert hit2["loaded"] == {"remote": HIT_P2}
+    assert hit2["loaded"] == {"shared": HIT_P2}
     assert len(entry_files(tmp_path / "shm-b")) >= 6  # promoted into the second engine's DRAM
 
 
@@ -109,18 +109,17 @@ def test_warm_reads_text_token_and_chat_prompts(tmp_path):
     assert read_prompts(str(path), tok) == [
         [1, 104, 105], [5, 6, 7], tok.encode("<system>be brief<assistant>")]
     path.write_text(json.dumps({"text": "no"}) + "\n")
-    with pytest.raises(ValueError, match=":1:"):
+    with pytest.raises(ValueError, match="line 1"):
         read_prompts(str(path), tok)
     with pytest.raises(ValueError):
         prompt_tokens({"prompt_token_ids": ["x"]}, tok)
 
 
-def test_warm_refuses_to_run_without_a_shared_tier(tmp_path, monkeypatch):
-    from cache.config import ConfigError
-    from cache.warm import warm
+def test_warm_refuses_to_run_without_a_shared_tier(tmp_path):
+    from cache.config import ConfigError, build_cache_config, connector_extra
+    from cache.tools.warm import warm
 
-    monkeypatch.delenv("KVCACHE_REMOTE_URL", raising=False)
-    cache = {"kvcache_cpu_path": str(tmp_path / "shm"), "kvcache_disk_path": str(tmp_path / "disk"),
-             "kvcache_cpu_size": "1MiB", "kvcache_disk_size": "1MiB"}
-    with pytest.raises(ConfigError, match="KVCACHE_REMOTE_URL"):
-        warm(str(tmp_path / "none.jsonl"), "model", cache=cache)
+    config = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+                                 "KVCACHE_DRAM_SIZE": "1MiB", "KVCACHE_DISK_SIZE": "1MiB"})
+    with pytest.raises(ConfigError, match="KVCACHE_SHARED_URL"):
+        warm(str(tmp_path / "none.jsonl"), "model", cache=connector_extra(config))

@@ -121,6 +121,21 @@ def test_longest_prefix_promotion_demotion_and_bounds(tmp_path):
     s.close()
 
 
+def test_a_dram_tier_smaller_than_one_entry_is_passed_over(tmp_path):
+    """A DRAM folder too small for one entry (a pod's 64 MiB /dev/shm, a large model)
+    must not stop caching: entries go to the first tier that can hold them, and a hit
+    there is not promoted into a tier it cannot fit."""
+    s = store(tmp_path, dram=1000)  # an entry is 1,256 bytes
+    keys = chunk_keys(NS, list(range(3 * 16)), 16)
+    put_chain(s, keys)
+    assert s.lookup(keys) == [1, 1, 1]
+    assert s.stats.tiers["dram"].rejected == 0 and s.stats.tiers["disk"].writes == 3
+    assert s.get(keys[0]).tier == 1 and s.flush(10)
+    assert s.lookup(keys[:1]) == [1] and s.stats.tiers["dram"].promotions == 0
+    s.check()
+    s.close()
+
+
 def test_every_put_reports_when_it_settles(tmp_path):
     """``on_done`` fires once per put: stored, refused (larger than every tier) or
     dropped (queue full), so the scheduler never waits for a write that will not come."""

@@ -1,25 +1,8 @@
-"""Tiers: one class per kind of storage behind the protocol in ``base``."""
+"""Tiers: one class per kind of storage behind the protocol in ``base``.
 
-from __future__ import annotations
-
-from cache.config import CacheConfig
-from cache.tiers.base import Tier
-from cache.tiers.files import FileTier
-from cache.tiers.memory import MemoryTier
-
-__all__ = ["Tier", "FileTier", "MemoryTier", "make_tiers"]
-
-
-def make_tiers(config: CacheConfig, namespace_id: str) -> list[Tier]:
-    """The tiers a config enables, fastest first; a size of 0 disables a local tier, an
-    empty ``remote_url`` the shared one (always last)."""
-    tiers: list[Tier] = []
-    if config.cpu_bytes:
-        tiers.append(FileTier(config.cpu_path, namespace_id, config.cpu_bytes, "dram", use_mmap=True))
-    if config.disk_bytes:
-        tiers.append(FileTier(config.disk_path, namespace_id, config.disk_bytes, "disk"))
-    if config.remote_url:
-        from cache.tiers.remote import make_remote_tier  # fsspec (and Curvine's SDK) only when used
-
-        tiers.append(make_remote_tier(config, namespace_id))
-    return tiers
+``memory`` (a dict, for tests), ``files`` (a local folder: the DRAM tier on tmpfs, the disk
+tier on NVMe), ``shared`` (L3, a folder every node sees) with its ``resilience`` (deadline,
+breaker, pacer) and ``transport`` (fsspec / Curvine); ``layout`` names the files of
+every tier. ``cache.assembly`` builds them from the configuration. This package imports
+nothing, so ``cache.config`` may read ``layout`` without pulling the tiers in.
+"""

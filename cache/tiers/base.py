@@ -6,7 +6,7 @@ inside one namespace. It knows nothing of tensors, policies or other tiers: the
 
 Where tier methods run and what may block:
 - ``contains`` is called on the vLLM scheduler's lookup path: it must be cheap (a stat,
-  a dict lookup) and may be stale; a tier that cannot answer quickly (a remote one)
+  a dict lookup) and may be stale; a tier that cannot answer quickly (the shared one)
   answers from what it last saw and learns in the background.
 - ``read``, ``write``, ``delete``, ``reserve`` may block (disk, network): the store calls
   them from its I/O threads, never from the scheduler loop.
@@ -31,6 +31,13 @@ class Tier(ABC):
     # True for a tier shared by many nodes (L3): write-once, never evicted by us, and
     # ``contains`` answers from memory (see ``probe``).
     shared: bool = False
+
+    @property
+    def available(self) -> bool:
+        """Whether a write handed to the tier now may succeed. A shared tier says no
+        while it is down and its next retry is not due, so the store skips the write
+        without queueing it; local tiers are always available."""
+        return True
 
     def probe(self, keys: Sequence[str]) -> bool:
         """Start background existence checks for the chain ``keys``; True while some are

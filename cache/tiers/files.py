@@ -4,8 +4,9 @@ The DRAM tier (L1) is this class on a shared-memory folder (``/dev/shm``), the d
 (L2) on an NVMe folder. Both are shared by every process of an engine (scheduler and
 workers) and by every engine of the node, and the disk tier survives restarts.
 
-Layout: ``ROOT/.usage`` and ``ROOT/.lock`` account the bytes of the whole folder;
-entries live in ``ROOT/<namespace>/<key[:2]>/<key>``.
+Layout (``cache.tiers.layout``, shared with the shared tier): ``ROOT/.usage`` and
+``ROOT/.lock`` account the bytes of the whole folder; entries live in
+``ROOT/<namespace>/<key[:2]>/<key>``.
 
 Publishing follows diskcache's rule: the payload is written to a temporary file first,
 then linked into place atomically (``os.link`` fails if another process already
@@ -27,19 +28,16 @@ import errno
 import fcntl
 import mmap
 import os
-import socket
-import struct
 import time
-import uuid
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from cache.tiers.base import Buffer, Tier
+from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
+                                this_host)
 
-_USAGE = struct.Struct("<q")
-_TMP_MARK = ".tmp-"
 _STALE_TMP_SECONDS = 600  # no entry write takes this long; older temp files are debris
 
 
@@ -58,10 +56,9 @@ class FileTier(Tier):
         self.folder = os.path.join(root, namespace)
         self.use_mmap = use_mmap
         os.makedirs(self.folder, exist_ok=True)
-        self._host = socket.gethostname()
         self._claims: dict[str, tuple[str, int]] = {}  # key -> its claim's temporary file, open fd
-        self._lock_path = os.path.join(root, ".lock")
-        self._usage_path = os.path.join(root, ".usage")
+        self._lock_path = os.path.join(root, LOCK_FILE)
+        self._usage_path = os.path.join(root, USAGE_FILE)
         for p in (self._lock_path, self._usage_path):
             if not os.path.exists(p):
                 with open(p, "ab"):
@@ -69,7 +66,7 @@ class FileTier(Tier):
 
     # -- paths ---------------------------------------------------------------
     def path(self, key: str) -> str:
-        return os.path.join(self.folder, key[:2], key)
+        return entry_path(self.folder, key)
 
     # -- shared accounting ---------------------------------------------------
     @contextmanager
@@ -86,13 +83,13 @@ class FileTier(Tier):
     @staticmethod
     def _get(usage) -> int:
         usage.seek(0)
-        raw = usage.read(_USAGE.size)
-        return _USAGE.unpack(raw)[0] if len(raw) == _USAGE.size else 0
+        raw = usage.read(USAGE.size)
+        return USAGE.unpack(raw)[0] if len(raw) == USAGE.size else 0
 
     @staticmethod
     def _put(usage, value: int) -> None:
         usage.seek(0)
-        usage.write(_USAGE.pack(max(0, value)))
+        usage.write(USAGE.pack(max(0, value)))
         usage.flush()
 
     def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
@@ -112,7 +109,7 @@ class FileTier(Tier):
         """A new temporary file beside ``key``'s path, named with the bytes it claims
         (``scan`` reads them back): its path and an open write descriptor."""
         final = self.path(key)
-        tmp = f"{final}{_TMP_MARK}{self._host}-{os.getpid()}-{nbytes}-{uuid.uuid4().hex[:8]}"
+        tmp = temp_path(final, nbytes)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             return tmp, os.open(tmp, flags, 0o644)
@@ -228,24 +225,38 @@ class FileTier(Tier):
             st = f.stat()
         except FileNotFoundError:
             return 0
-        if _TMP_MARK not in f.name:
+        if TMP_MARK not in f.name:
             if ours:
                 entries.append((f.name, st.st_size))
             return st.st_size
-        # temp file: NAME.tmp-HOST-PID-RESERVED-RAND
-        try:
-            host, pid, reserved = f.name.split(_TMP_MARK, 1)[1].rsplit("-", 3)[:3]
-            pid, reserved = int(pid), int(reserved)
-        except ValueError:
-            host, pid, reserved = "", -1, st.st_size
-        dead = host == self._host and pid > 0 and not _alive(pid)
-        if dead or time.time() - st.st_mtime > _STALE_TMP_SECONDS:
+        if is_debris(f.name, st.st_mtime):
             try:
                 os.unlink(f.path)
             except FileNotFoundError:
                 pass
             return 0
-        return reserved
+        return (parse_temp(f.name) or ("", -1, st.st_size))[2]
+
+    def discard(self, path: str, inode: int) -> bool:
+        """Remove the file at ``path`` (a damaged entry, an orphan) if it is still the one
+        seen (``inode``), under the folder lock like every change ``scan`` counts; the
+        next ``scan`` recounts the usage. For repair tools; True if removed."""
+        with self._locked_usage():
+            try:
+                if os.stat(path).st_ino != inode:
+                    return False
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+        return True
+
+
+def is_debris(name: str, mtime: float) -> bool:
+    """Whether a temporary file is a crashed writer's: its process is gone (this host),
+    or it is older than any write takes."""
+    host, pid, _claimed = parse_temp(name) or ("", -1, 0)
+    dead = host == this_host() and pid > 0 and not _alive(pid)
+    return dead or time.time() - mtime > _STALE_TMP_SECONDS
 
 
 def read_into(fd: int, view: memoryview) -> int:

@@ -1,0 +1,82 @@
+"""The one place that builds tiers, policies and stores from a ``CacheConfig``, per role.
+
+- ``lookup_view``: the vLLM scheduler's lookup-only view of one rank's tiers (no threads,
+  no policies);
+- ``writer_store``: a vLLM worker's store (also the benchmarks' and tools'): I/O threads
+  and one policy per local tier, the last local tier's policy judging admission;
+- ``validate``: what the configuration cannot check itself, because the names live in
+  registries here (policies, shared admission modes) and the shared URL's filesystem in
+  ``cache.tiers.transport``. The server calls it at start-up (a bad setting exits 2
+  before any engine starts), the connector in each engine process.
+
+Tier roles (which tier loads synchronously, which is the admission tier, which is
+shared) come from ``CacheConfig.tiers()``, in that order. Runs at start-up in every
+process that opens the cache; never touches the network.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from cache.config import CacheConfig, ConfigError
+from cache.keys import Namespace
+from cache.policy import POLICIES, make_policy
+from cache.admission import SharedAdmission
+from cache.store import TieredStore
+from cache.tiers.base import Tier
+from cache.tiers.files import FileTier
+from cache.tiers.resilience import Pacer
+from cache.tiers.shared import SharedTier
+from cache.tiers.transport import open_transport
+
+
+def validate(config: CacheConfig) -> None:
+    """Raise ``ConfigError`` for a policy or admission mode nobody knows, or a shared URL
+    whose filesystem is unknown, missing or broken (unknown scheme, no Curvine SDK, no
+    mount)."""
+    if config.policy not in POLICIES:
+        raise ConfigError(f"KVCACHE_POLICY={config.policy!r} is unknown; choose one of {sorted(POLICIES)}")
+    if config.shared_admission not in SharedAdmission.MODES:
+        raise ConfigError(f"KVCACHE_SHARED_ADMISSION={config.shared_admission!r} is unknown; choose one "
+                          f"of {', '.join(SharedAdmission.MODES)}")
+    if config.shared_url:
+        open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
+
+
+def build_tiers(config: CacheConfig, namespace_id: str) -> list[Tier]:
+    """The tiers ``config.tiers()`` names, in its order (fastest first, shared last)."""
+    tiers: list[Tier] = []
+    for spec in config.tiers():
+        if spec.shared:
+            tiers.append(shared_tier(config, namespace_id))
+        else:
+            tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
+                                  use_mmap=spec.mapped))
+    return tiers
+
+
+def shared_tier(config: CacheConfig, namespace_id: str) -> SharedTier:
+    """The shared tier ``config.shared_url`` names. Raises ``ConfigError`` for a URL whose
+    filesystem is missing or unknown; never touches the network."""
+    transport = open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
+    pacer = Pacer(config.shared_bandwidth) if config.shared_bandwidth > 0 else None
+    return SharedTier(transport.opener, transport.root, namespace_id,
+                      timeout_s=config.shared_timeout_ms / 1000, label=config.shared_url, pacer=pacer)
+
+
+def lookup_view(config: CacheConfig, namespace: Namespace) -> TieredStore:
+    """The scheduler's view of one rank's tiers: ``lookup`` and ``probe`` only."""
+    return TieredStore(build_tiers(config, namespace.id), namespace.digest)
+
+
+def writer_store(config: CacheConfig, namespace: Namespace, *,
+                 thread_setup: Optional[Callable[[str], None]] = None,
+                 timer: Optional[Callable[[str, float], None]] = None) -> TieredStore:
+    """A store that reads and writes: one policy per local tier; upper tiers demote what
+    they evict, so their policy takes every chunk, and the last local tier's evictions
+    are final, so its policy also judges admission."""
+    specs = config.tiers()
+    policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
+    return TieredStore(build_tiers(config, namespace.id), namespace.digest, policies,
+                       signing_key=config.signing_key.encode(), io_threads=config.io_threads,
+                       shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer)

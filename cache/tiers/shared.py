@@ -1,0 +1,346 @@
+"""The shared tier (L3): one folder of entries on a filesystem that every node sees.
+
+The filesystem comes from ``cache.tiers.transport`` (Curvine's SDK, a Curvine FUSE/CSI
+mount, any fsspec URL); every call to it goes through ``cache.tiers.resilience`` (own
+daemon threads, a deadline, a circuit breaker, an optional bandwidth cap). The folder
+layout is the local tiers' (``cache.tiers.layout``): ``ROOT/<namespace>/<key[:2]>/<key>``.
+
+Rules of a shared namespace:
+- Entries are write-once and content-addressed (a key names one token prefix of one
+  model/layout/rank). A write is published atomically: the bytes go to a unique
+  temporary name in the key's folder, then are renamed into place. A POSIX rename (a
+  Curvine FUSE/CSI mount) and Curvine's native rename are atomic. Backends without an
+  atomic rename implement it as copy + delete (object stores: the copy still lands as a
+  whole object); where even that could expose a short file, the entry header's length and
+  checksum reject it on read.
+- Two nodes writing one key at once is harmless: both entries are whole and valid, the
+  last rename wins.
+- Nothing read here is trusted: the store decodes every entry (namespace, key, checksum,
+  HMAC signature). A rejected entry is never deleted from the shared folder (a node with
+  another signing key, or a write in flight on a non-atomic backend, looks the same); it
+  is only ignored by this process for a while (``reject``).
+- Space is Curvine's to manage (quota, TTL): ``capacity`` is None.
+
+Never blocking serving: ``contains`` answers from memory, a set of keys known to be
+present, learnt from a background listing (every ``refresh_s``), from this process's
+writes and reads, and from existence checks that ``probe`` starts in the background for
+keys the scheduler asks about. ``probe`` says whether answers are still pending, so the
+scheduler can defer a request (bounded) instead of waiting in its loop. While the tier
+is down (breaker open) ``contains`` and ``probe`` say no and calls fail fast with
+``SharedUnavailable`` (writes are skipped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Iterator, Optional, Sequence
+
+from cache.tiers.base import Buffer, Tier
+from cache.tiers.layout import TMP_MARK, entry_path, is_key, temp_path
+from cache.tiers.resilience import DaemonPool, Guard, Pacer, SharedUnavailable
+from cache.tiers.transport import FsOps, ops_for
+
+STALE_TMP_SECONDS = 3600     # a temporary file this old is a crashed writer's debris
+WAVE = 16                    # existence checks sent at once for one chain
+ABSENT_TTL_SECONDS = 5.0     # a key found absent is not asked about again for this long
+REJECT_SECONDS = 600.0       # a rejected (bad or foreign) entry is ignored this long
+MAX_KNOWN = 2_000_000        # bound on the in-memory key set (~200 MB at most)
+MAX_REMEMBERED = 100_000     # bound on the absent/rejected maps
+WRITE_BYTES_PER_SECOND = 50e6  # a write's deadline grows by its size at this rate
+
+
+class SharedTier(Tier):
+    shared = True      # the store publishes to it by rule and never evicts from it
+    capacity = None    # space is the backend's to manage (Curvine quota and TTL)
+
+    def __init__(
+        self,
+        opener: Callable[[], object],
+        root: str,
+        namespace: str,
+        *,
+        name: str = "shared",
+        timeout_s: float = 2.0,
+        refresh_s: float = 30.0,
+        io_threads: int = 8,
+        failure_threshold: int = 3,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        label: Optional[str] = None,
+        pacer: Optional[Pacer] = None,
+    ) -> None:
+        """``opener`` returns the filesystem (fsspec's or Curvine's); it is called
+        lazily, on an I/O thread, so an unreachable cluster never stalls start-up.
+        ``pacer``, if given, holds entry reads and writes to its byte rate."""
+        self.name = name
+        self.root = root.rstrip("/")
+        self.folder = f"{self.root}/{namespace}"
+        self.timeout_s = timeout_s
+        self.refresh_s = refresh_s
+        self._opener = opener
+        self._ops: Optional[FsOps] = None
+        self._open_lock = threading.Lock()
+        self._clock = clock
+        self._guard = Guard(name, label or self.root, timeout_s=timeout_s, io_threads=io_threads,
+                            failure_threshold=failure_threshold, backoff_s=backoff_s,
+                            max_backoff_s=max_backoff_s, clock=clock)
+        self.health = self._guard.health
+        self._breaker = self._guard.breaker
+        self._prober = DaemonPool(1, f"kvcache-{name}-probe")
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+        self._absent: OrderedDict[str, float] = OrderedDict()  # key -> ask again after
+        self._rejected: dict[str, float] = {}                    # key -> ignore until
+        self._checking: set[str] = set()
+        self._delta: Optional[tuple[set, set]] = None  # (added, removed) during a listing
+        self._dirs: set[str] = set()
+        self._used = 0
+        self._stop = threading.Event()
+        self._refresher: Optional[threading.Thread] = None
+        self._pacer = pacer
+
+    # -- calls (on the guard's threads) ---------------------------------------------
+    def _fs(self) -> FsOps:
+        if self._ops is None:
+            with self._open_lock:
+                if self._ops is None:
+                    self._ops = ops_for(self._opener())
+        return self._ops
+
+    def _do(self, op: str, *args):
+        if self._pacer is None or op not in ("read", "write"):
+            return getattr(self._fs(), op)(*args)
+        started = self._clock()
+        result = getattr(self._fs(), op)(*args)
+        self._pacer.take(len(result) if op == "read" else sum(memoryview(p).nbytes for p in args[1]), started)
+        return result
+
+    def _call(self, op: str, *args, timeout: Optional[float] = None):
+        return self._guard.call(op, self._do, op, *args, timeout=timeout)
+
+    # -- what this process knows -----------------------------------------------
+    def _path(self, key: str) -> str:
+        return entry_path(self.folder, key)
+
+    def _learn(self, key: str) -> None:
+        with self._lock:
+            if len(self._known) < MAX_KNOWN:
+                self._known.add(key)
+            self._absent.pop(key, None)
+            if self._delta is not None:
+                self._delta[0].add(key)
+                self._delta[1].discard(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._known.discard(key)
+            if self._delta is not None:
+                self._delta[1].add(key)
+                self._delta[0].discard(key)
+
+    def _is_rejected(self, key: str) -> bool:
+        until = self._rejected.get(key)
+        return until is not None and until > self._clock()
+
+    def reject(self, key: str) -> None:
+        """Ignore ``key`` for a while: its entry failed verification here. The entry is
+        left in place (it may be valid for a node with another signing key)."""
+        with self._lock:
+            if len(self._rejected) >= MAX_REMEMBERED:
+                now = self._clock()
+                self._rejected = {k: t for k, t in self._rejected.items() if t > now}
+            self._rejected[key] = self._clock() + REJECT_SECONDS
+            self._known.discard(key)
+
+    @property
+    def up(self) -> bool:
+        return self._breaker.up
+
+    @property
+    def available(self) -> bool:
+        """Up, or down with a retry due: worth handing a write (a failed trial only
+        lengthens the backoff)."""
+        return not self._breaker.waiting()
+
+    # -- Tier protocol ------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        """From memory only (never I/O): known present, tier up, not rejected."""
+        return key in self._known and self._breaker.up and not (
+            self._rejected and self._is_rejected(key))
+
+    def probe(self, keys: Sequence[str]) -> bool:
+        """Start background existence checks for the chain ``keys`` (in order) and say
+        whether answers are still pending. Cheap; called on the scheduler path."""
+        self._start_refresh()
+        if self._breaker.waiting():
+            return False  # down: nothing will come
+        batch, pending = [], False
+        now = self._clock()
+        with self._lock:
+            for k in keys:
+                if k in self._known:
+                    continue
+                if self._absent.get(k, 0.0) > now or (self._rejected and self._is_rejected(k)):
+                    break  # the chain stops here
+                if k in self._checking:
+                    pending = True
+                    continue
+                batch.append(k)
+            self._checking.update(batch)
+        if batch:
+            self._prober.submit(self._check_chain, batch)
+        return pending or bool(batch)
+
+    def _check_chain(self, keys: list[str]) -> None:
+        """Existence checks, ``WAVE`` at a time, up to the first absent key."""
+        try:
+            for start in range(0, len(keys), WAVE):
+                wave = keys[start:start + WAVE]
+                futures = [self._guard.submit(self._do, "exists", self._path(k)) for k in wave]
+                deadline = time.monotonic() + self.timeout_s
+                present = [bool(self._guard.wait(f, "exists", deadline - time.monotonic())) for f in futures]
+                for k, p in zip(wave, present):
+                    if p:
+                        self._learn(k)
+                    else:
+                        self._note_absent(k)
+                if not all(present):
+                    return
+        except (SharedUnavailable, TimeoutError):
+            return  # counted by the breaker; the scheduler answers with what is known
+        finally:
+            with self._lock:
+                self._checking.difference_update(keys)
+
+    def recheck(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._absent.pop(k, None)
+
+    def _note_absent(self, key: str) -> None:
+        with self._lock:
+            self._absent[key] = self._clock() + ABSENT_TTL_SECONDS
+            self._absent.move_to_end(key)
+            while len(self._absent) > MAX_REMEMBERED:
+                self._absent.popitem(last=False)
+
+    def read(self, key: str) -> Buffer:
+        try:
+            data = self._call("read", self._path(key))
+        except FileNotFoundError:
+            self._forget(key)
+            raise KeyError(key) from None
+        self._learn(key)
+        return data
+
+    def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
+        final = self._path(key)
+        if self._call("exists", final):
+            self._learn(key)
+            return False
+        shard = final.rsplit("/", 1)[0]
+        if shard not in self._dirs:
+            self._call("makedirs", shard)
+            self._dirs.add(shard)
+        tmp = temp_path(final)
+        try:
+            self._call("write", tmp, list(parts), timeout=self.timeout_s + nbytes / WRITE_BYTES_PER_SECOND)
+            try:
+                self._call("rename", tmp, final)
+            except SharedUnavailable:
+                if not self._call("exists", final):
+                    raise
+                self._learn(key)  # another node published it first: harmless
+                self._discard(tmp)
+                return False
+        except BaseException:
+            self._discard(tmp)
+            raise
+        self._learn(key)
+        with self._lock:
+            self._used += nbytes
+        return True
+
+    def _discard(self, tmp: str) -> None:
+        """Remove a temporary file in the background; ``scan`` catches what is left."""
+        self._guard.background(self._do, "remove", tmp)
+
+    def delete(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            size = self._call("size", path)
+            self._call("remove", path)
+        except FileNotFoundError:
+            size = 0
+        self._forget(key)
+        with self._lock:
+            self._used = max(0, self._used - size)
+        return size
+
+    def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
+        return True  # the backend enforces its quota
+
+    def release(self, nbytes: int) -> None:
+        return
+
+    def used_bytes(self) -> int:
+        """Bytes this process published (and did not delete); the cluster's total is
+        Curvine's business (``cv fs du``)."""
+        return self._used
+
+    def scan(self) -> Iterator[tuple[str, int]]:
+        """Every entry of this namespace, as ``(key, size)``. Lists the whole folder (so
+        does the background refresh): not for the request path."""
+        return iter(self._entries())
+
+    def _entries(self) -> list[tuple[str, int]]:
+        """List the namespace folder; remove temporary files that crashed writers left."""
+        try:
+            listing = self._call("list_tree", self.folder, timeout=max(30.0, 10 * self.timeout_s))
+        except FileNotFoundError:
+            return []
+        entries, now = [], time.time()
+        for name, size, mtime in listing:
+            if is_key(name):
+                entries.append((name, size))
+            elif TMP_MARK in name and mtime and now - mtime > STALE_TMP_SECONDS:
+                self._discard(self._path(name))
+        return entries
+
+    # -- background listing -------------------------------------------------------
+    def _start_refresh(self) -> None:
+        if self._refresher is None and self.refresh_s > 0:
+            with self._lock:
+                if self._refresher is None:
+                    self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
+                                                       name=f"kvcache-{self.name}-list")
+                    self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            delay = self.refresh_s
+            if self._breaker.waiting():
+                continue
+            with self._lock:
+                self._delta = (set(), set())
+            try:
+                names = {key for key, _size in self._entries()}
+            except (SharedUnavailable, TimeoutError):
+                names = None
+            with self._lock:
+                added, removed = self._delta
+                self._delta = None
+                if names is not None:
+                    fresh = (names - removed) | added
+                    if len(fresh) > MAX_KNOWN:
+                        fresh = set(list(fresh)[:MAX_KNOWN])
+                    self._known = fresh
+
+    def close(self) -> None:
+        self._stop.set()
+        self._guard.shutdown()
+        self._prober.shutdown()

@@ -1,0 +1,67 @@
+"""Messages between the scheduler-side connector and the workers, one each way per
+engine step.
+
+``TieredKVMetadata`` is built in the scheduler (``build_connector_meta``) and pickled to
+every worker; ``TieredKVWorkerMetadata`` comes back from each worker
+(``build_connector_worker_meta``), merged across ranks by vLLM. Plain lists, cheap to send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class ChunkIO:
+    """One chunk to load or save: its key, its parent key, and the KV blocks it covers.
+
+    ``skip_blocks``: how many of the chunk's leading blocks to leave alone (vLLM's own
+    prefix cache computed them); ``block_ids`` are the blocks after those.
+    """
+
+    key: str
+    parent: Optional[str]
+    block_ids: list[int]
+    skip_blocks: int = 0
+    # Hybrid models (cache.vllm.groups): which entry kind, and the blocks of each of
+    # its KV cache groups back to back in ``block_ids`` (the same count per group).
+    kind: int = 0
+    tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
+
+
+@dataclass
+class LoadRequest:
+    req_id: str
+    chunks: list[ChunkIO]
+    asynchronous: bool     # True: load on a worker thread, report through get_finished
+    hit_end: int = 0       # tokens computed once loaded
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[ChunkIO] = field(default_factory=list)
+    # Chunks that requests waiting in the queue will load soon: the policies protect them.
+    upcoming: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Keys of the saves a worker settled since its last step (stored, refused or
+    dropped): the scheduler stops holding back requests that wait for them. One entry
+    per rank after ``aggregate``, so a key settled on every rank appears world-size times.
+    ``events``: what happened to chunks meanwhile, ``(key, event, tier)`` in order
+    (``cache.explain``)."""
+
+    settled: list[str] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
+        assert isinstance(other, TieredKVWorkerMetadata)
+        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events)

@@ -1,0 +1,126 @@
+"""Cache metrics through vLLM's own connector-stats pipeline.
+
+Workers report deltas of their store counters (``get_kv_connector_stats``, once per
+engine step, cheap); vLLM aggregates them across workers, ships them to the front-end
+process and calls ``TieredKVPromMetrics.observe`` there, which feeds Prometheus. So
+``/metrics`` of any vLLM front end (ours or ``vllm serve``) carries per-tier hits, misses,
+bytes, load time, usage, and prefix tokens served from each tier.
+
+Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
+up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
+their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
+the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
+with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
+prompt tokens computed since its last report, by the reason they were not loaded
+(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+LEVELS = ("used_bytes", "capacity_bytes", "enabled")
+
+COUNTERS = {
+    "hits": "Chunk reads served by the tier",
+    "misses": "Chunk reads that no tier could serve",
+    "bytes_read": "Bytes read from the tier",
+    "bytes_written": "Bytes written to the tier",
+    "writes": "Entries written to the tier",
+    "evictions": "Entries evicted from the tier",
+    "demotions": "Evicted entries written down to the next tier",
+    "promotions": "Entries copied up into the tier after a hit below",
+    "rejected": "Writes the tier's admission policy refused",
+    "corrupt": "Damaged or foreign entries found and dropped",
+    "errors": "Tier I/O errors (never fail a request)",
+    "timeouts": "Reads from the tier that passed their deadline (recomputed)",
+    "unavailable": "Operations skipped while the tier was unreachable",
+    "load_seconds": "Seconds spent reading and verifying entries",
+    "dropped_writes": "Saves dropped because the write-behind queue was full (tier=all)",
+    "dropped_publishes": "Shared-tier publishes dropped because their queue was full (tier=all)",
+    "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
+}
+
+
+class TieredKVStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TieredKVStats":
+        for k, v in other.data.items():
+            if k.rsplit(".", 1)[-1] in LEVELS:
+                self.data[k] = max(self.data.get(k, 0), v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        # levels alone ride along with counters, except the cache-off report
+        return "all.enabled" not in self.data and not any(
+            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
+
+
+class StatsDelta:
+    """Turns the store's running totals into per-interval deltas (worker side)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def take(self, now: dict[str, float], levels: dict[str, float]) -> Optional[TieredKVStats]:
+        """``now``: the store's running totals (``TieredStore.counters``); ``levels``: its
+        usage (``TieredStore.levels``), passed through as they are."""
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last = now
+        if not delta:
+            return None
+        return TieredKVStats(data={**delta, **levels})
+
+
+class TieredKVPromMetrics(KVConnectorPromMetrics):
+    """Runs in the front-end process; ``observe`` is called on vLLM's logging path."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = labelnames + ["tier"]
+        self._counters = {
+            field: self._counter_cls(name=f"kvcache:tier_{field}", documentation=doc, labelnames=names)
+            for field, doc in COUNTERS.items()
+        }
+        self._misses = self._counter_cls(
+            name="kvcache:misses", labelnames=labelnames + ["tier", "cause"],
+            documentation="Prompt tokens whose KV was computed, by why it was not loaded "
+                          "(cause) and the tier concerned (none: no one tier)")
+        self._gauges = {
+            "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
+                                          labelnames=names),
+            "capacity_bytes": self._gauge_cls(name="kvcache:tier_capacity_bytes",
+                                              documentation="Byte bound of the tier", labelnames=names),
+        }
+        self._enabled = self._gauge_cls(
+            name="kvcache:enabled", labelnames=labelnames,
+            documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
+                          "without the cache (the connector's start-up log line says why)")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for key, value in transfer_stats_data.items():
+            if key.startswith("miss:"):
+                _, cause, tier = key.split(":", 2)
+                if value > 0:
+                    self._misses.labels(*labels, tier, cause).inc(value)
+                continue
+            tier, _, field = key.rpartition(".")
+            if field == "enabled":
+                self._enabled.labels(*labels).set(value)
+            elif field in self._gauges:
+                self._gauges[field].labels(*labels, tier).set(value)
+            elif field in self._counters and value > 0:
+                self._counters[field].labels(*labels, tier).inc(value)

@@ -1,0 +1,37 @@
+"""The cache namespace of one vLLM engine and rank, derived from its configuration.
+
+Runs in the scheduler and in every worker at start-up; both must derive the same
+namespace from the same configuration, so it is built only from ``VllmConfig`` and
+``KVCacheConfig`` (never from tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from cache.keys import Namespace
+
+
+def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int) -> Namespace:
+    """The namespace of parallel rank ``rank`` (tensor x pipeline) of this engine."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        kv_layout = repr(groups[0].kv_cache_spec)
+    else:  # hybrid: every group's layers and spec (cache.vllm.groups)
+        kv_layout = ";".join(f"{list(g.layer_names)}={g.kv_cache_spec!r}" for g in groups)
+    hf = model.hf_config.to_json_string(use_diff=False) if hasattr(model.hf_config, "to_json_string") else repr(model.hf_config)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(hf.encode())
+    digest.update(f"revision={model.revision};quant={model.quantization}".encode())
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    return Namespace(
+        model=str(model.model),
+        model_digest=digest.hexdigest(),
+        kv_dtype=str(vllm_config.cache_config.cache_dtype),
+        kv_layout=kv_layout,
+        rank=rank,
+        world_size=world,
+        chunk_tokens=chunk_tokens,
+    )

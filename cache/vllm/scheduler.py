@@ -1,0 +1,347 @@
+"""Scheduler side: decides what each request loads from the tiers and what gets saved.
+
+Runs in vLLM's engine-core process, inside the scheduler loop: nothing here may block.
+A lookup hashes the prompt once per request (BLAKE2b, microseconds per chunk) and asks
+each tier ``contains`` (one ``stat`` per chunk and rank); no payload is read here.
+
+Shared tier (L3). Its ``contains`` answers from memory; for chunks it does not know yet,
+``store.probe`` starts background existence checks and the request is deferred (vLLM's
+"ask me again" answer, ``None``) until they answer or ``lookup_wait`` passes, whichever
+comes first; then it goes on with what is known. Loads from L3 are asynchronous (worker
+threads) like every load below DRAM.
+
+Saves in flight. Saves are written behind the forward pass, so a request can arrive
+before the chunks an earlier request just computed are on a tier (the same prompt
+again once vLLM's own prefix cache dropped it, the warm tool's second pass). A request
+whose next missing chunk is still being written is deferred the same way until every
+rank's worker reports that save settled (``saves_settled``), at most ``SAVE_WAIT_MAX_S``
+from its first deferral. (That wait counts from the request, not from the save: a save
+is sent before the forward pass that computes its chunk, and a long prefill on a slow
+host may take longer than the wait.)
+
+Chunk boundaries. A prompt of *n* tokens is cut into whole chunks and one partial
+*tail* chunk holding the rest of the prompt (keyed by exactly those tokens); saves and
+lookups use the same cut. A hit loads up to *n - 1* tokens (vLLM computes the last
+token for its logits), so the same prompt sent again costs one token of compute, and a
+prompt that extends an earlier one hits its whole chunks. A tail's last block is
+partly filled: only its first positions are loaded, and vLLM writes the rest.
+
+Hybrid models (``cache.vllm.groups``): each chunk has an entry per entry kind (full
+attention under the chunk key, sliding windows only at checkpoints); ``cache.vllm.hits``
+finds the longest hit every kind can serve and plans its loads, which are always
+asynchronous (vLLM takes only whole-request load failures for several KV cache groups).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from cache.assembly import lookup_view
+from cache.config import CacheConfig
+from cache.explain import Explainer, Lookup
+from cache.keys import Namespace, chunk_keys
+from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunks
+from cache.vllm.hits import entry, find_hit, plan_loads
+from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
+from cache.vllm.metrics import TieredKVStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# Longest a new request waits for the shared tier to say whether it holds its prefix.
+LOOKUP_WAIT_MAX_S = 0.5
+# Longest a request waits for a chunk an earlier step sent to be saved (write-behind) to
+# land; normally the worker reports it settled within a step or two.
+SAVE_WAIT_MAX_S = 2.0
+# A save not reported settled this long after it was sent is forgotten (a report lost).
+SAVE_REPORT_LOST_S = 60.0
+
+
+def prefix_salt(request: "Request") -> str:
+    """What besides the tokens changes a prefix's KV or who may see it, folded into the
+    first key of its chain: the LoRA adapter, and vLLM's per-request ``cache_salt`` (a
+    tenant's secret against prefix-cache timing attacks). A prompt without either keeps
+    the plain chain, so it never meets a salted entry, and salted prompts meet only
+    entries of the same salt, in every tier."""
+    lora = getattr(request, "lora_request", None)
+    parts = {"lora": lora.lora_name if lora else None, "cache_salt": getattr(request, "cache_salt", None)}
+    if not any(parts.values()):
+        return ""
+    return json.dumps(parts, sort_keys=True)
+
+
+@dataclass
+class Chunk:
+    key: str
+    parent: Optional[str]
+    start: int  # first token
+    end: int    # one past the last token
+    keys: tuple[str, ...] = ()  # entry key per entry kind (groups.EntryKind.key)
+
+
+@dataclass
+class RequestState:
+    request: "Request"
+    chunks: list[Chunk] = field(default_factory=list)   # looked up, and saved once computed
+    next_save: int = 0                                   # first chunk not yet saved
+    n_tokens: int = -1                                   # token count the chunks were cut for
+    pending_load: Optional[LoadRequest] = None
+    planned: dict[str, int] = field(default_factory=dict)
+    loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
+    probe_until: Optional[float] = None  # deadline of the wait for the shared tier
+    save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
+    issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
+    # Hybrid models: hit ends whose sliding windows are stored (groups.checkpoints), and
+    # per window kind the chunks whose window entries those need.
+    checkpoints: set[int] = field(default_factory=set)
+    window_saves: dict[int, set[int]] = field(default_factory=dict)
+    why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
+
+
+class SchedulerSide:
+    def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
+                 kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
+                 retention_interval: Optional[int] = 0) -> None:
+        self.config = config
+        self.block_size = block_size
+        # KV cache groups and what each stores (groups.py); one full-attention kind unless
+        # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
+        self.layout = layout or GroupLayout.single(block_size)
+        self.retention_interval = retention_interval
+        self.chunk = config.chunk_tokens
+        self.chain = namespaces[0].chain_digest
+        # One lookup-only view per worker rank: a chunk counts only if every rank has it.
+        self.views = [lookup_view(config, ns) for ns in namespaces]
+        # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
+        # tiers load before the forward pass (the others load on worker threads).
+        specs = config.tiers()
+        self.tier_names = [t.name for t in specs]
+        self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
+        for view in self.views:  # the shared tier starts listing what it holds now, not at
+            view.probe([])       # the first request (which would then wait for it)
+        self._kv_manager = kv_cache_manager_getter
+        self.lookup_wait = min(config.shared_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.has_shared else 0.0
+        self.requests: dict[str, RequestState] = {}
+        self._loads: list[LoadRequest] = []
+        self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
+        # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
+        # it], in the order sent (so those times ascend).
+        self._saving: dict[str, list] = {}
+        shared = [v.shared for v in self.views if v.shared is not None]
+        self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
+                                 lambda: all(getattr(t, "up", True) for t in shared))
+
+    # -- chunking --------------------------------------------------------------
+    def _state(self, request: "Request") -> RequestState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            st = self.requests[request.request_id] = RequestState(request)
+        tokens = request.prompt_token_ids or []
+        if st.n_tokens != len(tokens):
+            st.chunks = self._cut(tokens, request)
+            st.n_tokens = len(tokens)
+            if self.layout.windows:
+                st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
+                                             self.chunk, self.retention_interval)
+                self._plan_window_saves(st)
+        return st
+
+    def _plan_window_saves(self, st: RequestState) -> None:
+        bounds = [(c.start, c.end) for c in st.chunks]
+        st.window_saves = {i: window_chunks(k, bounds, st.checkpoints, self.block_size)
+                           for i, k in enumerate(self.layout.kinds) if not k.full}
+
+    def _cut(self, tokens, request) -> list[Chunk]:
+        """The prompt's chunks, for lookups and for saves alike."""
+        salt = prefix_salt(request)
+        n, c = len(tokens), self.chunk
+        full, tail = divmod(n, c)
+        if tail < 2:  # a one-token tail would load nothing: the last token is always computed
+            tail = 0
+        keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
+        bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
+        kinds = self.layout.kinds
+        return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+                for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+
+    def _cacheable(self, request: "Request") -> bool:
+        # Multimodal inputs and prompt embeddings change what the tokens' KV is without
+        # changing the token ids: such prompts are never keyed, stored or loaded.
+        return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+
+    @staticmethod
+    def _wants(request: "Request", what: str) -> bool:
+        """The request's ``kv_transfer_params`` may say ``kvcache_load: false`` (compute,
+        do not load from the tiers) or ``kvcache_save: false`` (store nothing of it)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return params.get(f"kvcache_{what}", True) is not False
+
+    # -- vLLM hooks ------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        if not self._cacheable(request):
+            return 0, False
+        st = self._state(request)
+        st.pending_load = None
+        if not self._wants(request, "load"):
+            st.why = self._looked_up(st, num_computed_tokens, [], load=False)
+            return 0, False
+        # The longest hit every entry kind can serve, and the keys that would make it longer.
+        plan, missing, found = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
+        if (missing and st.chunks[-1].end > num_computed_tokens
+                and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
+            return None, False  # ask again at the next step
+        if self.layout.hybrid:  # a chunk counts as found only inside a hit its windows allow
+            found = found[:plan.chunks if plan is not None else 0]
+        st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
+        if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
+            st.checkpoints.add(plan.junction)  # store the window there for the next request
+            self._plan_window_saves(st)
+        if plan is None or plan.hit_end <= num_computed_tokens:
+            return 0, False
+        hit_end = plan.hit_end
+        self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
+        # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
+        # chunk from another tier makes the whole load asynchronous (worker threads). So do
+        # hybrid models' loads: vLLM takes only request-level load failures for them.
+        asynchronous = self.layout.hybrid or any(x.tier not in self.sync_tiers for x in plan.loads)
+        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
+        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
+        return hit_end - num_computed_tokens, asynchronous
+
+    def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
+        return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
+                                      [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
+                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
+
+    def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
+        """Whether to defer the request while the shared tier is asked about ``keys``:
+        at most ``lookup_wait`` after the first ask; then it goes on with what is known."""
+        if not self.lookup_wait:
+            return False
+        pending = [v.probe(keys) for v in self.views]  # every rank's view starts its checks
+        if not any(pending):
+            return False
+        now = time.monotonic()
+        if st.probe_until is None:
+            st.probe_until = now + self.lookup_wait
+        return now < st.probe_until
+
+    def _awaiting_save(self, st: RequestState, key: str) -> bool:
+        """Whether to defer the request while ``key`` is being saved: until the save
+        settles, at most ``SAVE_WAIT_MAX_S`` after the request's first deferral."""
+        if key not in self._saving:
+            return False
+        now = time.monotonic()
+        if st.save_wait_until is None:
+            st.save_wait_until = now + SAVE_WAIT_MAX_S
+        return now < st.save_wait_until
+
+    def saves_settled(self, keys: list[str]) -> None:
+        """Workers settled these saves (one entry per rank). A shared tier's view asks
+        about them again (this engine may just have published them)."""
+        for view in self.views:
+            view.recheck_shared(keys)
+        for key in keys:
+            pending = self._saving.get(key)
+            if pending is not None:
+                pending[0] -= 1
+                if pending[0] <= 0:
+                    del self._saving[key]
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        st = self.requests.get(request.request_id)
+        if num_external_tokens == 0 or st is None or st.pending_load is None:
+            return
+        block_ids = blocks.get_block_ids()  # one list per KV cache group
+        load, st.pending_load = st.pending_load, None
+        for name, n in st.planned.items():
+            st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
+        by_key = {key: c for c in st.chunks for key in c.keys}
+        for chunk in load.chunks:
+            c = by_key[chunk.key]
+            # the last token is computed, not loaded (hit_end <= n_tokens - 1)
+            chunk.block_ids = self.layout.kinds[chunk.kind].load_blocks(
+                c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size)
+        self._loads.append(load)
+        st.issued.extend(load.chunks)
+
+    def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming))
+        self._loads, self._upcoming = [], {}
+        scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        now = time.monotonic()
+        while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
+            del self._saving[next(iter(self._saving))]
+        for req_id, computed in scheduled:
+            st = self.requests.get(req_id)
+            if st is None or not st.chunks or not self._wants(st.request, "save"):
+                continue
+            done = computed + out.num_scheduled_tokens.get(req_id, 0)
+            block_ids = null = None
+            while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
+                i = st.next_save
+                c = st.chunks[i]
+                st.next_save += 1
+                for k, kind in enumerate(self.layout.kinds):
+                    if not kind.full and i not in st.window_saves.get(k, ()):
+                        continue  # no checkpoint needs this chunk's window
+                    key, parent = entry(st.chunks, k, i)
+                    if key in self._saving or all(v.lookup([key], local_only=v.has_local) for v in self.views):
+                        continue  # being saved, or stored (by us, another engine, an earlier turn)
+                    if block_ids is None:
+                        block_ids = self._kv_manager().get_block_ids(req_id)  # one list per group
+                        null = null_block(self._kv_manager())
+                    ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
+                    if ids is None:
+                        continue  # vLLM freed part of the window (never expected): a future miss
+                    meta.saves.append(ChunkIO(key, parent, ids, kind=k))
+                    self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
+        return meta
+
+    def loads_failed(self, invalid_block_ids: set[int]) -> None:
+        """Workers could not load these blocks (entry gone, damaged, foreign, late).
+        The first failed chunk of each request is dropped from the shared tier's view
+        (a local tier's bad entry was already deleted by the worker), so later requests
+        do not pay for the same bad read again."""
+        for st in self.requests.values():
+            bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
+            if bad is None:
+                continue
+            self.explain.load_failed(st.why, bad.key)
+            for view in self.views:
+                view.reject_shared(bad.key)
+
+    def requests_failed(self, req_ids: set[str]) -> None:
+        """Hybrid models report load failures per request (vLLM recomputes them whole):
+        the shared tier's view forgets what those requests loaded, to ask again."""
+        for req_id in req_ids:
+            st = self.requests.get(req_id)
+            for view in (self.views if st is not None else ()):
+                for c in st.issued:
+                    view.reject_shared(c.key)
+
+    def get_stats(self) -> Optional[TieredKVStats]:
+        """Prompt tokens computed since the last report, by cause (``cache.explain``); the
+        workers report the tiers' counters."""
+        counts = self.explain.take_counts()
+        return TieredKVStats(data=counts) if counts else None
+
+    def explain_finished(self, request: "Request") -> list[dict]:
+        """Where the request's KV came from, or why it was computed (``cache.explain``);
+        call before ``request_finished``."""
+        st = self.requests.get(request.request_id)
+        return self.explain.finished(st.why) if st else []
+
+    def request_finished(self, request: "Request") -> dict:
+        """Forget the request; returns the tokens it loaded per tier (for its output)."""
+        st = self.requests.pop(request.request_id, None)
+        return dict(st.loaded_tokens) if st else {}

@@ -1,0 +1,281 @@
+"""One path for every model request, whichever route it came in by.
+
+``serve(request, shape, payload)`` runs on the server's event loop for ``/invocations``
+and the ``/v1/...`` routes alike:
+
+1. the engine must be ready (503 otherwise);
+2. the payload becomes vLLM's own request model (``ChatCompletionRequest``,
+   ``CompletionRequest``; a TGI body is translated to a completion first; a pooling
+   body to vLLM's pooling models). Anything raised here is the request's fault (400,
+   ``serving.errors``); then our own rules: chat roles OpenAI knows, ``n`` at most
+   ``SERVING_MAX_N``;
+3. vLLM's serving layer runs it. A non-streamed request is awaited while watching for
+   the client leaving (vLLM aborts it), ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (504) and the
+   drain deadline (503). A non-streamed answer carries the opt-in ``X-Kvcache-Explain``
+   header (``serving.explain``). A streamed request is validated before its 200: its first
+   event is awaited first, and an error there is answered as a JSON error with its
+   status instead of a 200 whose stream holds the error. A stream still running at the
+   drain deadline ends with an error event (503) after the tokens already sent.
+
+Nothing here blocks: JSON translation only, the engine is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serving.errors import ClientError, error_body, error_response, response_for
+from serving.explain import explain_headers
+from serving.tgi import TgiRequest, TgiStream, completion_to_tgi, parse_tgi, sse, tgi_to_completion
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+GENERATE_SHAPES = ("chat", "completion", "tgi")
+# vLLM's pooling endpoints (``vllm.entrypoints.pooling``), by the name of the function
+# that serves them; /invocations tries them in vLLM's order for a body of no other shape.
+POOLING_ENDPOINTS = {"embeddings": "create_embedding", "classify": "create_classify",
+                     "rerank": "do_rerank", "score": "create_score", "pooling": "create_pooling"}
+
+
+def shape_of(body: dict, tasks: tuple[str, ...] = ("generate",)) -> str:
+    """The shape of an ``/invocations`` body: ``chat``, ``completion``, ``tgi``, or
+    ``pooling`` (one of vLLM's pooling requests, found by trying them)."""
+    if "generate" in tasks:
+        for key, shape in (("messages", "chat"), ("prompt", "completion"), ("inputs", "tgi")):
+            if key in body:
+                return shape
+    if any(t != "generate" for t in tasks):
+        return "pooling"
+    raise ClientError('unknown request shape: send {"messages": [...]} (OpenAI chat), '
+                      '{"prompt": "..."} (OpenAI completion) or {"inputs": "...", '
+                      '"parameters": {...}} (TGI)')
+
+
+async def serve(request: Request, shape: str, payload: dict) -> Response:
+    """Serve one model request (see the module docstring)."""
+    request.state.shape = shape
+    app = request.app.state
+    engine, gate = app.engine, app.gate
+    if not engine.healthy:
+        return error_response(503, f"the engine is not ready ({engine.state.value})")
+    try:
+        call, tgi, stream = _prepare(app, shape, payload)
+    except Exception as e:
+        return response_for(e, validating=True)
+    outcome, result = await race(request, call(request), gate,
+                                 None if stream else app.config.http.invocation_timeout_s)
+    if outcome != "done":
+        return _unfinished(outcome, app.config.http.invocation_timeout_s)
+    if isinstance(result, BaseException):
+        return response_for(result) if engine.healthy and not gate.draining else \
+            error_response(503, "the server is shutting down")
+    return await _respond(request, result, tgi)
+
+
+def _prepare(app, shape: str, payload: dict):
+    """``(call, tgi, stream)``: a coroutine function serving the validated request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    engine, served = app.engine, app.config.engine.served_model_name
+    tgi: Optional[TgiRequest] = None
+    if shape in ("embeddings", "classify", "rerank", "score", "pooling"):
+        return _pooling_call(engine, shape, payload), None, False
+    if shape not in GENERATE_SHAPES or "generate" not in engine.tasks:
+        raise ClientError(f"this model does not serve {shape} requests (its tasks: "
+                          f"{', '.join(engine.tasks)})", 400)
+    if shape == "tgi":
+        tgi = parse_tgi(payload)
+        payload = tgi_to_completion(tgi, served)
+    body = dict(payload)
+    if body.get("model") is None:
+        body["model"] = served
+    if shape == "chat":
+        req = ChatCompletionRequest.model_validate(body)
+        _check_roles(req.messages)
+        handler = engine.chat.create_chat_completion
+    else:
+        req = CompletionRequest.model_validate(body)
+        handler = engine.completion.create_completion
+    max_n = app.config.http.max_n
+    if (req.n or 1) > max_n:
+        raise ClientError(f"n={req.n} is above this server's maximum of {max_n} (SERVING_MAX_N)")
+
+    async def call(raw: Request):
+        return await handler(req, raw)
+
+    return call, tgi, bool(req.stream)
+
+
+def _pooling_call(engine, shape: str, payload: dict):
+    """vLLM's own pooling endpoint for ``shape`` (``pooling``: the first of vLLM's
+    pooling request models the body validates as, in vLLM's order)."""
+    import pydantic
+
+    candidates = [(t, ep) for t, (get_handler, ep) in engine.invocation_types()
+                  if shape == "pooling" or ep.__name__ == POOLING_ENDPOINTS[shape]]
+    if not candidates:
+        raise ClientError(f"this model does not serve {shape} requests (its tasks: "
+                          f"{', '.join(engine.tasks)})")
+    errors = []
+    for request_type, endpoint in candidates:
+        try:
+            req = pydantic.TypeAdapter(request_type).validate_python(payload)
+        except pydantic.ValidationError as e:
+            errors.append(e)
+            continue
+
+        async def call(raw: Request, req=req, endpoint=endpoint):
+            return await endpoint(req, raw)
+
+        return call
+    if len(errors) == 1:
+        raise errors[0]
+    raise ClientError("the body is none of the request shapes this model serves (chat, "
+                      "completion, TGI, or vLLM's pooling requests: "
+                      f"{', '.join(POOLING_ENDPOINTS)})")
+
+
+def _check_roles(messages: list) -> None:
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+        if role not in CHAT_ROLES:
+            raise ClientError(f"messages.{i}.role: {role!r} is not a chat role (one of "
+                              f"{', '.join(sorted(CHAT_ROLES))})")
+
+
+async def race(request: Request, work, gate, timeout_s: Optional[float]) -> tuple[str, Any]:
+    """Await ``work`` against the client leaving (``gone``), the timeout (``timeout``)
+    and the drain deadline (``cut``); the loser is cancelled (vLLM aborts the request).
+    ``("done", result)``, where result is the exception ``work`` raised, if any."""
+    task = asyncio.ensure_future(work)
+    watchers = {asyncio.ensure_future(_until_disconnect(request)): "gone",
+                asyncio.ensure_future(gate.cut.wait()): "cut"}
+    try:
+        done, _ = await asyncio.wait({task, *watchers}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            exc = task.exception()
+            return "done", exc if exc is not None else task.result()
+        for w, name in watchers.items():
+            if w in done:
+                return name, None
+        return "timeout", None
+    finally:
+        for t in (task, *watchers):
+            if not t.done():
+                t.cancel()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _unfinished(outcome: str, timeout_s: float) -> Response:
+    if outcome == "gone":
+        return Response(status_code=499)  # nobody reads it; counted as the client's
+    if outcome == "cut":
+        return error_response(503, "the server is shutting down: the request was still "
+                              "running at the drain deadline")
+    return error_response(504, f"no answer within {timeout_s:.0f} s "
+                          "(SAGEMAKER_MODEL_SERVER_TIMEOUT)", "TimeoutError")
+
+
+async def _respond(request: Request, result: Any, tgi: Optional[TgiRequest]) -> Response:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(), status_code=result.error.code)
+    if isinstance(result, Response):
+        return result
+    if hasattr(result, "model_dump"):
+        data = result.model_dump()
+        return JSONResponse(completion_to_tgi(data, tgi) if tgi else data,
+                            headers=explain_headers(request.headers, data))
+    return await _stream(request, result, tgi)
+
+
+async def _stream(request: Request, chunks: AsyncIterator[str], tgi) -> Response:
+    """Validate a stream by its first event, then stream the rest (module docstring)."""
+    gate = request.app.state.gate
+    outcome, first = await race(request, _first(chunks), gate, None)
+    if outcome != "done":
+        await chunks.aclose()
+        return _unfinished(outcome, 0)
+    if isinstance(first, BaseException):
+        await chunks.aclose()
+        return response_for(first)
+    error = _stream_error(first)
+    if error is not None:
+        await chunks.aclose()
+        status = int(error.get("code") or 400) if str(error.get("code", "")).isdigit() else 400
+        return JSONResponse({"error": error}, status_code=status)
+    events = _until_cut(_prepend(first, chunks), gate)
+    if tgi is not None:
+        events = _tgi_events(events, tgi)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _first(chunks: AsyncIterator[str]) -> Optional[str]:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _stream_error(chunk: Optional[str]) -> Optional[dict]:
+    """The ``error`` object of a ``data: {"error": ...}`` event, else None."""
+    if not chunk:
+        return None
+    for line in chunk.splitlines():
+        if line.startswith("data:") and '"error"' in line:
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                return None
+            err = data.get("error") if isinstance(data, dict) else None
+            return err if isinstance(err, dict) else None
+    return None
+
+
+async def _prepend(first: Optional[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        if first is not None:
+            yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+async def _until_cut(chunks: AsyncIterator[str], gate) -> AsyncIterator[str]:
+    """The stream, ended by an error event (503) once the drain deadline has passed."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+            if gate.cut.is_set():
+                yield sse(error_body(503, "the server is shutting down: the stream was cut at "
+                                          "the drain deadline"))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        await chunks.aclose()
+
+
+async def _tgi_events(chunks: AsyncIterator[str], tgi: TgiRequest) -> AsyncIterator[str]:
+    conv = TgiStream(tgi)
+    async for chunk in chunks:
+        for event in conv.feed(chunk):
+            yield event
+    for event in conv.close():
+        yield event

@@ -1,0 +1,20 @@
+"""cache.assembly: the one place that builds tiers, policies and stores for each role."""
+
+from cache.policy.prefix_adaptive import PrefixAdaptivePolicy
+
+
+def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path):
+    """DRAM above disk takes everything (what it evicts is demoted); disk, the last local
+    tier, judges admission; a shared tier below them changes neither. (Moved here from
+    tests/test_policy.py, whose copy imports the connector's old module path.)"""
+    from cache.config import build_cache_config
+    from cache.vllm.worker import WorkerSide
+    from cache.keys import Namespace
+
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
+                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",
+                              "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3"})
+    side = WorkerSide(cfg, Namespace("m", "d", "bfloat16", "x"), num_blocks=4, block_size=16)
+    dram, disk = side.store.policies[:2]
+    assert isinstance(dram, PrefixAdaptivePolicy) and not dram.last_tier and disk.last_tier
+    side.shutdown()
