@@ -282,8 +282,12 @@ class TieredStore:
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
         local = self.tiers[: self.n_local]
         top = self._top_for(len(header) + memoryview(payload).nbytes)
-        if top is not None and not any(t.contains(key) for t in local):
+        holder = next((i for i, t in enumerate(local) if t.contains(key)), None)
+        if top is not None and holder is None:
             self._store(top, key, parent, [header, payload])
+        elif holder is not None:
+            with self._lock:        # stored, but computed again: an access that missed
+                self.policies[holder].seen(key, parent)
         elif top is None and local:
             self._note(key, "not_admitted", local[-1].name)  # larger than every local tier
         with self._lock:

@@ -227,3 +227,102 @@ class S3FIFO(EvictionPolicy):
 
     def __len__(self) -> int:
         return self._n[self._SMALL] + self._n[self._MAIN]
+
+
+class ARC(EvictionPolicy):
+    """ARC (Megiddo & Modha, FAST'03) in compact storage; see ``classic.ARCPolicy``
+    (same decisions on every trace; a test checks it)."""
+
+    name = "arc-compact"
+    _T1, _T2, _B1, _B2 = 1, 2, 3, 4     # sentinels, and the ``where`` tag of a slot
+
+    def __init__(self, *, last_tier: bool = True) -> None:
+        super().__init__(last_tier=last_tier)
+        self._s = Slots(lists=4, extra="b", keycode="q")
+        self._where, = self._s.extra
+        self._n = [0, 0, 0, 0, 0]       # slots per list
+        self._p = 0.0
+        self._c = 1
+        self._incoming_in_b2 = False
+
+    def _move(self, slot: int, to: int) -> None:
+        s, where, n = self._s, self._where, self._n
+        s.unlink(slot)
+        n[where[slot]] -= 1
+        where[slot] = to
+        n[to] += 1
+        s.link_before(slot, to)
+
+    def _drop_first(self, lst: int) -> None:
+        self._n[lst] -= 1
+        self._s.drop(self._s.first(lst))
+
+    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+        n = self._n
+        b1, b2 = n[self._B1], n[self._B2]
+        self._incoming_in_b2 = False
+        slot = self._s.find(_k(key))
+        if slot:
+            w = self._where[slot]
+            if w == self._B1:
+                self._p = min(float(self._c), self._p + max(b2 / b1, 1.0))
+            elif w == self._B2:
+                self._p = max(0.0, self._p - max(b1 / b2, 1.0))
+                self._incoming_in_b2 = True
+        return True
+
+    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+        s, n = self._s, self._n
+        k = _k(key)
+        slot = s.find(k)
+        if slot:                        # a ghost (B1 or B2): to T2
+            self._move(slot, self._T2)
+        else:
+            slot = s.add(k)
+            self._where[slot] = self._T1
+            n[self._T1] += 1
+            s.link_before(slot, self._T1)
+        self._c = max(self._c, n[self._T1] + n[self._T2])
+        self._trim_ghosts()
+
+    def touch(self, key: Key) -> None:
+        slot = self._s.find(_k(key))
+        if slot and self._where[slot] in (self._T1, self._T2):
+            self._move(slot, self._T2)
+
+    def remove(self, key: Key) -> None:
+        slot = self._s.find(_k(key))
+        if not slot:
+            return
+        w = self._where[slot]
+        if w == self._T1:
+            self._move(slot, self._B1)
+        elif w == self._T2:
+            self._move(slot, self._B2)
+        else:
+            return
+        self._trim_ghosts()
+
+    def victim(self) -> Optional[Key]:
+        n, s = self._n, self._s
+        t1 = n[self._T1]
+        if t1 and (t1 > self._p or (self._incoming_in_b2 and t1 == int(self._p))
+                   or not n[self._T2]):
+            return s.key[s.first(self._T1)] - 1
+        slot = s.first(self._T2)
+        return s.key[slot] - 1 if slot else None
+
+    def _trim_ghosts(self) -> None:
+        n, c = self._n, self._c
+        T1, T2, B1, B2 = self._T1, self._T2, self._B1, self._B2
+        while n[B1] and n[T1] + n[B1] > c:
+            self._drop_first(B1)
+        while n[B2] and n[T1] + n[T2] + n[B1] + n[B2] > 2 * c:
+            self._drop_first(B2)
+
+    def __contains__(self, key: Key) -> bool:
+        slot = self._s.find(_k(key))
+        return slot > 0 and self._where[slot] in (self._T1, self._T2)
+
+    def __len__(self) -> int:
+        return self._n[self._T1] + self._n[self._T2]

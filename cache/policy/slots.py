@@ -5,7 +5,7 @@ Runs under the store's lock, like every policy: no call blocks, every call is O(
 amortized. The index grows by doubling, and the move to the bigger table is spread over
 later insertions (``MIGRATE`` buckets each), so no call ever rehashes a whole table.
 
-Keys are non-negative 63-bit integers (``fingerprint`` turns any hashable into one; 0 is
+Keys are non-negative 62-bit integers (``fingerprint`` turns any hashable into one; 0 is
 reserved). Memory per slot: 8 bytes of key, 8 of list links, 8-16 of index at a load of
 at most one half, plus whatever per-slot arrays a policy adds (``Slots.extra``).
 
@@ -20,16 +20,16 @@ from array import array
 from typing import Hashable, List, Optional
 
 _M64 = (1 << 64) - 1
-_M63 = (1 << 63) - 1
+_M62 = (1 << 62) - 1
 
 
 def fingerprint(key: Hashable) -> int:
-    """A well-mixed non-zero 63-bit integer for ``key`` (``hash`` of an int is the int)."""
+    """A well-mixed non-zero 62-bit integer (the experts add one to it) for ``key`` (``hash`` of an int is the int)."""
     h = (hash(key) * 0x9E3779B97F4A7C15) & _M64
     h ^= h >> 31
     h = (h * 0xBF58476D1CE4E5B9) & _M64
     h ^= h >> 29
-    return (h & _M63) or 1
+    return (h & _M62) or 1
 
 
 class Slots:

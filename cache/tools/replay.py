@@ -38,6 +38,7 @@ from cache.policy import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_nam
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
 from cache.tools.trace import (BLOCK_TOKENS, Request, capacity_for_fraction, distinct_blocks,
                                load_trace)
+from cache.tools.workloads import WORKLOADS, generate
 
 # Offline references, built with the whole trace: Belady knows when each block is used
 # next; the rate oracles know only how often (see ``cache.policy.offline``).
@@ -190,7 +191,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m cache.tools.replay",
         description="Replay a Mooncake-format trace and print the token hit ratio.",
     )
-    ap.add_argument("trace", help="JSONL trace (timestamp, input_length, hash_ids)")
+    ap.add_argument("trace", nargs="?", help="JSONL trace (timestamp, input_length, hash_ids)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS),
+                    help="replay a seeded synthetic workload instead of a trace file")
+    ap.add_argument("--scale", type=float, default=1.0, help="workload size (1: ~10,000 requests)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
     cap = ap.add_mutually_exclusive_group(required=True)
     cap.add_argument("--capacity-blocks", type=int, help="tier capacity in blocks")
     cap.add_argument(
@@ -213,8 +218,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-
-    requests = load_trace(args.trace)
+    if (args.trace is None) == (args.workload is None):
+        ap.error("give a trace file or --workload NAME (one of them)")
+    if args.workload:
+        requests = generate(args.workload, args.seed, args.scale)
+    else:
+        requests = load_trace(args.trace)
     if args.capacity_blocks is not None:
         capacity = args.capacity_blocks
     else:
