@@ -2,7 +2,8 @@
 robustness grid over seeded workloads.
 
 Runs offline on the CPU (``python bench/bench_policy.py [TRACE]`` from the repository
-root, about a minute); nothing here touches a GPU, vLLM or the serving path. It replays
+root: about 10 minutes for the Mooncake part, 30 more for the grid at ``--scale 0.6`` on
+one core); nothing here touches a GPU, vLLM or the serving path. It replays
 the trace through the same policy classes a tier uses (``cache.tools.replay``) at 1, 2, 5, 10
 and 20 % of the trace's distinct blocks, for lru, arc, s3fifo, ours (the registry's
 default) and three offline references: the optimum (belady, which knows *when* every
@@ -199,7 +200,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--hint-window-ms", type=float, default=1000.0)
     ap.add_argument("--memory-chunks", type=int, default=50_000)
-    ap.add_argument("--scale", type=float, default=0.3,
+    ap.add_argument("--scale", type=float, default=0.6,
                     help="workload size for the robustness grid (1 = about 10,000 requests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid-only", action="store_true", help="only the robustness grid")
