@@ -520,10 +520,10 @@ def test_explain_header_on_request_and_misses_by_cause(server):
     before = sum(float(v) for v in miss.findall(server.client.get("/metrics").text))
     cold = server.post(body, headers={"X-Kvcache-Explain": "true"})
     assert cold.status_code == 200, cold.text
-    assert re.fullmatch(r"never_stored:0-13\d\d", cold.headers["X-Kvcache-Explain"])
+    assert re.fullmatch(r"never_stored:0-1\d\d\d", cold.headers["X-Kvcache-Explain"])  # ~1,300 tokens
     time.sleep(1.0)  # the write-behind stores the chunks
     hit = server.post(body, headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=7; kvcache-explain=true"})
-    assert re.fullmatch(r"dram:0-13\d\d", hit.headers["X-Kvcache-Explain"])
+    assert hit.headers["X-Kvcache-Explain"] == "dram:" + cold.headers["X-Kvcache-Explain"].split(":", 1)[1]
     assert hit.headers["X-Amzn-SageMaker-Custom-Attributes"] == "kvcache-explain=" + hit.headers["X-Kvcache-Explain"]
     assert "X-Kvcache-Explain" not in server.post(body).headers  # not asked: not sent
     tokens = int(cold.headers["X-Kvcache-Explain"].rsplit("-", 1)[1])
