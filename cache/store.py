@@ -25,7 +25,15 @@ threads, local writes on one writer thread in submission order, publishes on one
 publisher thread. The policy structures are guarded by one lock, held only for policy
 calls (microseconds), never across I/O. Tier failures never escape: they are counted in
 ``stats`` and logged at most once a minute per tier (the shared tier logs its own
-outages, once each).
+outages, once each); a failed write is counted by cause and logged once per episode
+(``cache.faults``).
+
+Durability: DRAM is a tmpfs that a new container starts without, and evictions alone
+would leave on disk only what was cold. So chunks used again (``persist``: the
+scheduler says which chunks a new request found stored) are also copied down to the
+last local tier (disk), one at a time on the writer thread between new writes, from a
+bounded queue (full: dropped and counted, never blocking); that tier's admission policy
+decides, as for any write. ``close`` flushes what it can within its budget.
 
 Callers use the operations below, never the tiers: ``counters``/``levels`` for metrics,
 ``note_loaded`` for tokens served, ``recheck_shared``/``reject_shared`` for what the
@@ -39,12 +47,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
+from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy
 from cache.tiers.base import Buffer, Tier
 
@@ -79,6 +89,7 @@ class TierStats:
     unavailable: int = 0       # calls refused or failed while the tier is unreachable
     load_seconds: float = 0.0
     tokens_loaded: int = 0     # counted by the connector: prompt tokens served from here
+    persisted: int = 0         # reused entries copied down into this tier (durability)
 
 
 @dataclass
@@ -86,6 +97,7 @@ class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
     dropped_writes: int = 0    # write-behind queue full: dropped rather than block
     dropped_publishes: int = 0  # shared-tier queue full: dropped rather than block
+    dropped_persists: int = 0  # durability queue full: dropped rather than block
 
 
 WARN_INTERVAL_S = 60.0
@@ -102,6 +114,7 @@ class TieredStore:
         max_pending_bytes: int = 1 << 30,
         shared_admission: str = "reused",
         max_publish_bytes: int = 256 << 20,
+        max_persist_keys: int = 4096,
         thread_setup: Optional[Callable[[str], None]] = None,
         timer: Optional[Callable[[str, float], None]] = None,
     ) -> None:
@@ -133,6 +146,11 @@ class TieredStore:
         self._publish_bytes = 0
         self._max_publish = max_publish_bytes
         self._draining = False
+        # Durability: keys used again, waiting to be copied down to the last local tier.
+        self._persist_queue: OrderedDict[str, None] = OrderedDict()
+        self._max_persist = max_persist_keys
+        self._persisting = False
+        self.faults = WriteFaults()
         # Reads run on a pool; writes (and the evictions and demotions they cause) on one
         # thread, in order, so a chain's parent is always stored before its child.
         self._io = self._writer = self._publisher = None
@@ -337,14 +355,77 @@ class TieredStore:
         except Exception as e:
             self._failed(tier, "writing", key, e)
             return
+        self.faults.succeeded(tier.name)
         if published:
             st.writes += 1
             st.bytes_written += nbytes
 
+    # -- durability: what is used again also goes to disk ---------------------------
+    def persist(self, keys: Sequence[str]) -> None:
+        """``keys`` were used again (a later request found them stored): each one that only
+        an upper local tier holds is copied down to the last local tier in the background.
+        Returns at once; keys beyond the queue's bound are dropped (counted)."""
+        if self.policies is None or self.n_local < 2:
+            return
+        with self._lock:
+            queue = self._persist_queue
+            for key in keys:
+                if key in queue:
+                    continue
+                if len(queue) >= self._max_persist:
+                    self.stats.dropped_persists += 1
+                    continue
+                queue[key] = None
+            start = bool(queue) and not self._persisting
+            self._persisting = self._persisting or start
+        if start:
+            self._submit(self._persist_next)
+
+    def _persist_next(self) -> None:
+        """Copy the next queued key down (writer thread), then queue the rest behind the
+        writes submitted meanwhile: a burst of copies never holds up new entries long."""
+        with self._lock:
+            if not self._persist_queue:
+                self._persisting = False
+                return
+            key = self._persist_queue.popitem(last=False)[0]
+        try:
+            self._copy_down(key)
+        finally:
+            try:
+                self._submit(self._persist_next)
+            except RuntimeError:  # closed: the writer takes no more work
+                with self._lock:
+                    self._persisting = False
+
+    def _copy_down(self, key: str) -> None:
+        last = self.n_local - 1
+        if self.tiers[last].contains(key):
+            return
+        for i in range(last):
+            tier = self.tiers[i]
+            try:
+                raw = tier.read(key)
+            except KeyError:
+                continue
+            except Exception as e:
+                self._failed(tier, "reading", key, e)
+                continue
+            try:  # the header only: every read verifies the whole entry anyway
+                parent = read_header(raw, self.namespace, key).parent
+            except CorruptEntry:
+                return  # the next read drops it
+            if self._store(last, key, parent, [raw]):
+                self.stats.tiers[self.tiers[last].name].persisted += 1
+            return
+
     def _failed(self, tier: Tier, doing: str, key: str, e: Exception) -> None:
-        """Count a tier failure; log it (at most once a minute per tier). Connection
-        trouble and deadlines are the shared tier's to report (once per outage)."""
+        """Count a tier failure; log it (at most once a minute per tier; a write: once per
+        episode, with its cause). Connection trouble and deadlines are the shared tier's
+        to report (once per outage)."""
         st = self.stats.tiers[tier.name]
+        if doing == "writing":
+            self.faults.failed(tier.name, e)
         if isinstance(e, ConnectionError):
             st.unavailable += 1
             return
@@ -352,6 +433,8 @@ class TieredStore:
         if isinstance(e, TimeoutError):
             st.timeouts += 1
             return
+        if doing == "writing":
+            return  # logged by ``faults`` once per episode
         self._warn(tier.name, "kvcache: %s %s in %s failed: %s", doing, key, tier.name, e)
 
     def _warn(self, tier_name: str, fmt: str, *args) -> None:
@@ -424,6 +507,7 @@ class TieredStore:
         except Exception as e:
             self._failed(tier, "writing", key, e)
             return False
+        self.faults.succeeded(tier.name)
         if published:
             st.writes += 1
             st.bytes_written += nbytes
@@ -505,10 +589,13 @@ class TieredStore:
             self.shared.reject(key)
 
     def counters(self) -> dict[str, float]:
-        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...}``."""
+        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...,
+        "<tier>.write_failures.<cause>": n}``."""
         out = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in asdict(st).items()}
         out["all.dropped_writes"] = self.stats.dropped_writes
         out["all.dropped_publishes"] = self.stats.dropped_publishes
+        out["all.dropped_persists"] = self.stats.dropped_persists
+        out.update(self.faults.counters())
         return out
 
     def levels(self) -> dict[str, int]:
@@ -527,8 +614,8 @@ class TieredStore:
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until queued writes (and the promotions, demotions and publishes they
-        cause) are done."""
+        """Wait until queued writes (and the promotions, demotions, publishes and copies
+        down they cause) are done; False if ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -543,14 +630,23 @@ class TieredStore:
                     if deadline is not None and time.monotonic() >= deadline:
                         return False
 
-    def close(self, timeout: Optional[float] = 10.0) -> None:
+    def close(self, timeout: Optional[float] = 10.0) -> bool:
+        """Flush within ``timeout`` (what is left then is dropped: a future miss, never a
+        damaged entry), stop the threads, close the tiers. Returns whether all was flushed."""
+        flushed = True
         if self._io is not None:
-            self.flush(timeout)
+            flushed = self.flush(timeout)
+            if not flushed:
+                with self._lock:
+                    left, copies = len(self._pending), len(self._persist_queue)
+                log.warning("kvcache: closing with %d background writes and %d copies to disk left "
+                            "after %.1f s; they are dropped (future misses)", left, copies, timeout or 0)
             for pool in (self._io, self._writer, self._publisher):
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
         for t in self.tiers:
             t.close()
+        return flushed
 
     def check(self) -> None:
         """Invariants, for tests: bounds hold and every tracked key is present (local

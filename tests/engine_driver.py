@@ -8,36 +8,95 @@ The connector reads its configuration as under a plain ``vllm serve``: each engi
 builds it from its own ``KVCACHE_*`` environment (``spec["cache"]``, set here before vLLM
 starts its processes).
 
-Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool,
-       "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"reset_prefix_cache": true} |
-                 {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
-                 {"wait_for": PATH}]}
+Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
+       "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"random_batch": [SEED, N, LEN]} |
+                 {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"damage": [FOLDER, ...]} |
+                 {"remove": PATH} | {"fill": FOLDER} | {"unfill": FOLDER} | {"metrics": true} |
+                 {"sleep": S} | {"touch": PATH} | {"wait_for": PATH}]}
+
+``damage`` flips a payload bit of every other entry file and truncates the rest; ``fill``
+takes every free byte of FOLDER's filesystem with one file, ``unfill`` removes it;
+``metrics`` reports the connector's ``kvcache:*`` samples (needs ``log_stats``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import sys
 import time
+
+
+def entry_files(folder: str) -> list[str]:
+    return sorted(os.path.join(root, name) for root, _dirs, files in os.walk(folder)
+                  for name in files if not name.startswith(".") and ".tmp-" not in name)
+
+
+def flip(path: str, offset: int, mask: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def corrupt_entries(folder: str) -> int:
     """Flip one payload byte in every entry file under ``folder``."""
     from cache.codec import HEADER_SIZE
 
+    files = entry_files(folder)
+    for path in files:
+        flip(path, HEADER_SIZE + 7, 0xFF)
+    return len(files)
+
+
+def damage_entries(folder: str) -> dict:
+    """Flip one payload bit of every other entry under ``folder``; cut the others short
+    (alternately inside the payload and inside the header)."""
+    from cache.codec import HEADER_SIZE
+
+    done = {"flipped": 0, "truncated": 0}
+    for i, path in enumerate(entry_files(folder)):
+        if i % 2 == 0:
+            flip(path, HEADER_SIZE + 11, 0x04)
+            done["flipped"] += 1
+        else:
+            os.truncate(path, HEADER_SIZE + 1000 if i % 4 == 1 else HEADER_SIZE // 2)
+            done["truncated"] += 1
+    return done
+
+
+BALLAST = ".ballast"
+
+
+def fill(folder: str) -> int:
+    """Take every free byte of ``folder``'s filesystem (another process filled it)."""
+    block = b"\0" * (1 << 16)
     n = 0
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            if name.startswith("."):
-                continue
-            with open(os.path.join(root, name), "r+b") as f:
-                f.seek(HEADER_SIZE + 7)
-                b = f.read(1)
-                f.seek(HEADER_SIZE + 7)
-                f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
+    with open(os.path.join(folder, BALLAST), "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 512, 1):
+            try:
+                while True:
+                    n += f.write(block[:size])
+            except OSError:
+                pass
     return n
+
+
+def kvcache_samples() -> dict:
+    """The connector's Prometheus samples in this (front-end) process: name{labels} -> value."""
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("kvcache:") and not sample.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k in ("tier", "cause"))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def main() -> None:
@@ -52,13 +111,29 @@ def main() -> None:
                                 kv_role="kv_both")
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
               enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
-              seed=0)
+              seed=0, disable_log_stats=not spec.get("log_stats", False))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         elif "corrupt" in step:
             print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
+        elif "damage" in step:
+            print("RESULT " + json.dumps({f: damage_entries(f) for f in step["damage"]}), flush=True)
+        elif "remove" in step:
+            shutil.rmtree(step["remove"])
+        elif "fill" in step:
+            print("RESULT " + json.dumps({"ballast": fill(step["fill"])}), flush=True)
+        elif "unfill" in step:
+            os.unlink(os.path.join(step["unfill"], BALLAST))
+        elif "metrics" in step:
+            print("RESULT " + json.dumps(kvcache_samples()), flush=True)
+        elif "random_batch" in step:  # N prompts of LEN random tokens, seeds SEED, SEED+1, ...
+            seed, n, length = step["random_batch"]
+            rngs = [random.Random(seed + i) for i in range(n)]
+            prompts = [[rng.randrange(0, 256) for _ in range(length)] for rng in rngs]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            print("RESULT " + json.dumps({"batch": len(outs)}), flush=True)
         elif "sleep" in step:  # let write-behind land before another process looks
             time.sleep(step["sleep"])
         elif "touch" in step:

@@ -6,9 +6,10 @@ process and calls ``TieredKVPromMetrics.observe`` there, which feeds Prometheus.
 ``/metrics`` of any vLLM front end (ours or ``vllm serve``) carries per-tier hits, misses,
 bytes, load time, usage, and prefix tokens served from each tier.
 
-Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
-up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
-their tiers' folders).
+Data format: a flat dict ``{"<tier>.<field>": number}``, and for write failures
+``{"<tier>.write_failures.<cause>": number}`` (``cache.faults``), a counter with a
+``cause`` label besides ``tier``. Counters are deltas and add up; fields in ``LEVELS``
+are levels (bytes in use) and aggregate by max (ranks share their tiers' folders).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ COUNTERS = {
     "dropped_writes": "Saves dropped because the write-behind queue was full (tier=all)",
     "dropped_publishes": "Shared-tier publishes dropped because their queue was full (tier=all)",
     "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
+    "persisted": "Reused entries copied down into the tier in the background, so a restart finds them",
+    "dropped_persists": "Copies to disk of reused entries dropped because their queue was full (tier=all)",
 }
+WRITE_FAILURES = "write_failures"  # "<tier>.write_failures.<cause>": a counter labelled by cause
 
 
 class TieredKVStats(KVConnectorStats):
@@ -88,6 +92,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=f"kvcache:tier_{field}", documentation=doc, labelnames=names)
             for field, doc in COUNTERS.items()
         }
+        self._failures = self._counter_cls(
+            name=f"kvcache:tier_{WRITE_FAILURES}", labelnames=names + ["cause"],
+            documentation="Failed writes to the tier, by cause (no_space, read_only, io_error, missing, "
+                          "unavailable, timeout ...); the entry is not stored there")
         self._gauges = {
             "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
                                           labelnames=names),
@@ -99,7 +107,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
             tier, _, field = key.rpartition(".")
-            if field in self._gauges:
+            if tier.endswith("." + WRITE_FAILURES):
+                if value > 0:
+                    self._failures.labels(*labels, tier.rpartition(".")[0], field).inc(value)
+            elif field in self._gauges:
                 self._gauges[field].labels(*labels, tier).set(value)
             elif field in self._counters and value > 0:
                 self._counters[field].labels(*labels, tier).inc(value)

@@ -84,7 +84,10 @@ class RequestState:
     n_tokens: int = -1                                   # token count the chunks were cut for
     pending_load: Optional[LoadRequest] = None
     planned: dict[str, int] = field(default_factory=dict)
-    loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
+    planned_chunks: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (tier, tokens)
+    loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name, failed loads taken off
+    loading: dict[str, tuple[str, int]] = field(default_factory=dict)  # issued chunk key -> (tier, tokens)
+    reuse_noted: bool = False  # its stored chunks were reported as used again
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
     save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
     issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
@@ -111,6 +114,7 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
+        self._reused: dict[str, None] = {}    # ordered set of stored chunk keys new requests found
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
@@ -165,6 +169,9 @@ class SchedulerSide:
         if (found < len(keys) and st.chunks[-1].end > num_computed_tokens
                 and (self._awaiting_save(st, keys[found]) or self._awaiting_shared(st, keys[found:]))):
             return None, False  # ask again at the next step
+        if not st.reuse_noted:  # what was stored before it came is used again: the workers
+            st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
+            self._reused.update(dict.fromkeys(keys[:found]))
         tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
         hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
         if hit_end <= num_computed_tokens:
@@ -174,11 +181,12 @@ class SchedulerSide:
         # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
         # chunk from another tier makes the whole load asynchronous (worker threads).
         asynchronous = any(tiers[i] not in self.sync_tiers for i in needed)
-        st.planned = {}
+        st.planned, st.planned_chunks = {}, {}
         for i in needed:
             n = min(st.chunks[i].end, hit_end) - max(st.chunks[i].start, num_computed_tokens)
             name = self.tier_names[tiers[i]]
             st.planned[name] = st.planned.get(name, 0) + n
+            st.planned_chunks[st.chunks[i].key] = (name, n)
         chunks = [ChunkIO(st.chunks[i].key, st.chunks[i].parent, [],
                           max(0, num_computed_tokens - st.chunks[i].start) // self.block_size)
                   for i in needed]
@@ -228,6 +236,7 @@ class SchedulerSide:
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
+        st.loading = dict(st.planned_chunks)  # until the workers say a chunk failed
         by_key = {c.key: c for c in st.chunks}
         b = self.block_size
         for chunk in load.chunks:
@@ -235,11 +244,11 @@ class SchedulerSide:
             end = min(c.end, st.n_tokens - 1)  # the last token is computed, not loaded
             chunk.block_ids = list(block_ids[c.start // b + chunk.skip_blocks: -(-end // b)])
         self._loads.append(load)
-        st.issued.extend(load.chunks)
+        st.issued = list(load.chunks)  # blocks of an earlier load were freed (preemption)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming))
-        self._loads, self._upcoming = [], {}
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused))
+        self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -265,18 +274,23 @@ class SchedulerSide:
         return meta
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
-        """Workers could not load these blocks (entry gone, damaged, foreign, late).
-        The first failed chunk of each request is dropped from the shared tier's view
-        (a local tier's bad entry was already deleted by the worker), so later requests
-        do not pay for the same bad read again."""
+        """Workers could not load these blocks (entry gone, damaged, foreign, late): the
+        failed chunks' tokens no longer count as loaded (vLLM recomputes them). The first
+        failed chunk of each request is dropped from the shared tier's view (a local
+        tier's bad entry was already deleted by the worker), so later requests do not pay
+        for the same bad read again."""
         for st in self.requests.values():
-            bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
-            if bad is None:
+            failed = [c for c in st.issued if invalid_block_ids.intersection(c.block_ids)]
+            if not failed:
                 continue
             for view in self.views:
-                view.reject_shared(bad.key)
+                view.reject_shared(failed[0].key)
+            for chunk in failed:
+                name, n = st.loading.pop(chunk.key, ("", 0))
+                if n:
+                    st.loaded_tokens[name] -= n
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""
         st = self.requests.pop(request.request_id, None)
-        return dict(st.loaded_tokens) if st else {}
+        return {name: n for name, n in st.loaded_tokens.items() if n > 0} if st else {}
