@@ -123,6 +123,6 @@ class WriteFaults:
         return tier in self._episodes
 
     def counters(self) -> dict[str, int]:
-        """Running totals, flat, as the store reports them: ``{"<tier>.write_failures.<cause>": n}``."""
+        """Running totals, flat, as the store reports them: ``{"write_failure:<cause>:<tier>": n}``."""
         with self._lock:
-            return {f"{tier}.write_failures.{cause}": n for (tier, cause), n in self._counts.items()}
+            return {f"write_failure:{cause}:{tier}": n for (tier, cause), n in self._counts.items()}

@@ -9,14 +9,18 @@ builds it from its own ``KVCACHE_*`` environment (``spec["cache"]``, set here be
 starts its processes).
 
 Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
-       "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"random_batch": [SEED, N, LEN]} |
-                 {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"damage": [FOLDER, ...]} |
-                 {"remove": PATH} | {"fill": FOLDER} | {"unfill": FOLDER} | {"metrics": true} |
-                 {"sleep": S} | {"touch": PATH} | {"wait_for": PATH}]}
+       "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
+                 {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
+                 {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
+                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX} |
+                 {"random_batch": [SEED, N, LEN]} | {"damage": [FOLDER, ...]} | {"remove": PATH} |
+                 {"fill": FOLDER} | {"unfill": FOLDER}]}
 
-``damage`` flips a payload bit of every other entry file and truncates the rest; ``fill``
-takes every free byte of FOLDER's filesystem with one file, ``unfill`` removes it;
-``metrics`` reports the connector's ``kvcache:*`` samples (needs ``log_stats``).
+``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
+off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``),
+by name and, under ``labelled``, by ``name{cause=..,tier=..}``. ``damage`` flips a payload
+bit of every other entry file and truncates the rest; ``fill`` takes every free byte of
+FOLDER's filesystem with one file, ``unfill`` removes it.
 """
 
 from __future__ import annotations
@@ -29,9 +33,62 @@ import sys
 import time
 
 
-def entry_files(folder: str) -> list[str]:
-    return sorted(os.path.join(root, name) for root, _dirs, files in os.walk(folder)
-                  for name in files if not name.startswith(".") and ".tmp-" not in name)
+def corrupt_entries(folder: str) -> int:
+    """Flip one payload byte in every entry file under ``folder``."""
+    from cache.codec import HEADER_SIZE
+
+    n = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if name.startswith("."):
+                continue
+            with open(os.path.join(root, name), "r+b") as f:
+                f.seek(HEADER_SIZE + 7)
+                b = f.read(1)
+                f.seek(HEADER_SIZE + 7)
+                f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def entry_files(folder: str):
+    """``(namespace folder name, key, path)`` of every entry file under a tier folder."""
+    from cache.tiers.layout import is_key
+
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if is_key(name):
+                yield os.path.basename(os.path.dirname(root)), name, os.path.join(root, name)
+
+
+def unsign_entries(folder: str) -> int:
+    """Rewrite every entry under ``folder`` as a valid but unsigned entry."""
+    from cache.codec import HEADER_SIZE, encode_header, read_header
+
+    n = 0
+    for ns, key, path in entry_files(folder):
+        raw = open(path, "rb").read()
+        info = read_header(raw, bytes.fromhex(ns), key)
+        payload = raw[HEADER_SIZE:]
+        with open(path, "wb") as f:
+            f.write(encode_header(bytes.fromhex(ns), key, info.dtype, info.shape, payload, b"", info.parent))
+            f.write(payload)
+        n += 1
+    return n
+
+
+def break_entries(folder: str, keep: str) -> int:
+    """Copy ``folder`` to ``keep``, then turn each entry into a folder of its name: the
+    tier still says the entries exist, and every read of one fails."""
+    import shutil
+
+    shutil.copytree(folder, keep)
+    n = 0
+    for _ns, _key, path in list(entry_files(folder)):
+        os.unlink(path)
+        os.mkdir(path)
+        n += 1
+    return n
 
 
 def flip(path: str, offset: int, mask: int) -> None:
@@ -42,23 +99,13 @@ def flip(path: str, offset: int, mask: int) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
-def corrupt_entries(folder: str) -> int:
-    """Flip one payload byte in every entry file under ``folder``."""
-    from cache.codec import HEADER_SIZE
-
-    files = entry_files(folder)
-    for path in files:
-        flip(path, HEADER_SIZE + 7, 0xFF)
-    return len(files)
-
-
 def damage_entries(folder: str) -> dict:
     """Flip one payload bit of every other entry under ``folder``; cut the others short
     (alternately inside the payload and inside the header)."""
     from cache.codec import HEADER_SIZE
 
     done = {"flipped": 0, "truncated": 0}
-    for i, path in enumerate(entry_files(folder)):
+    for i, (_ns, _key, path) in enumerate(sorted(entry_files(folder))):
         if i % 2 == 0:
             flip(path, HEADER_SIZE + 11, 0x04)
             done["flipped"] += 1
@@ -85,20 +132,6 @@ def fill(folder: str) -> int:
     return n
 
 
-def kvcache_samples() -> dict:
-    """The connector's Prometheus samples in this (front-end) process: name{labels} -> value."""
-    from prometheus_client import REGISTRY
-
-    out = {}
-    for metric in REGISTRY.collect():
-        for sample in metric.samples:
-            if sample.name.startswith("kvcache:") and not sample.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                                  if k in ("tier", "cause"))
-                out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
-
-
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.update(spec["cache"])  # inherited by the engine's processes
@@ -118,6 +151,18 @@ def main() -> None:
             assert llm.reset_prefix_cache()
         elif "corrupt" in step:
             print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
+        elif step.get("engine"):
+            sched = llm.llm_engine.vllm_config.scheduler_config
+            print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}),
+                  flush=True)
+        elif "metrics" in step:
+            from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
+
+            samples = [s for m in REGISTRY.collect() if m.name.startswith(step["metrics"]) for s in m.samples]
+            labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                                if k in ("tier", "cause")) + "}": s.value for s in samples}
+            print("RESULT " + json.dumps({"metrics": {s.name: s.value for s in samples}, "labelled": labelled}),
+                  flush=True)
         elif "damage" in step:
             print("RESULT " + json.dumps({f: damage_entries(f) for f in step["damage"]}), flush=True)
         elif "remove" in step:
@@ -126,14 +171,16 @@ def main() -> None:
             print("RESULT " + json.dumps({"ballast": fill(step["fill"])}), flush=True)
         elif "unfill" in step:
             os.unlink(os.path.join(step["unfill"], BALLAST))
-        elif "metrics" in step:
-            print("RESULT " + json.dumps(kvcache_samples()), flush=True)
         elif "random_batch" in step:  # N prompts of LEN random tokens, seeds SEED, SEED+1, ...
             seed, n, length = step["random_batch"]
             rngs = [random.Random(seed + i) for i in range(n)]
             prompts = [[rng.randrange(0, 256) for _ in range(length)] for rng in rngs]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             print("RESULT " + json.dumps({"batch": len(outs)}), flush=True)
+        elif "unsign" in step:
+            print("RESULT " + json.dumps({"unsigned": sum(unsign_entries(f) for f in step["unsign"])}), flush=True)
+        elif "break" in step:
+            print("RESULT " + json.dumps({"broken": break_entries(step["break"], step["keep"])}), flush=True)
         elif "sleep" in step:  # let write-behind land before another process looks
             time.sleep(step["sleep"])
         elif "touch" in step:
@@ -149,7 +196,11 @@ def main() -> None:
             prompt = {"prompt_token_ids": step["prompt_token_ids"]}
             if step.get("cache_salt"):
                 prompt["cache_salt"] = step["cache_salt"]
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            sampling = params
+            if step.get("kv_transfer_params"):
+                sampling = params.clone()
+                sampling.extra_args = {"kv_transfer_params": step["kv_transfer_params"]}
+            out = llm.generate(prompt, sampling, use_tqdm=False)[0]
             comp = out.outputs[0]
             print("RESULT " + json.dumps({
                 "seconds": time.perf_counter() - t0,
@@ -157,6 +208,7 @@ def main() -> None:
                 "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in comp.logprobs],
                 "num_cached_tokens": out.num_cached_tokens,
                 "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
+                "explain": (out.kv_transfer_params or {}).get("kvcache_explain", []),
             }), flush=True)
 
 

@@ -1,6 +1,5 @@
 """Durability: chunks used again reach the disk tier in the background, so an engine that
-starts with an empty DRAM folder finds them; what the scheduler reports as loaded is what
-was loaded."""
+starts with an empty DRAM folder finds them."""
 
 import shutil
 import threading
@@ -11,7 +10,7 @@ from cache.keys import chunk_keys
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.tiers.files import FileTier
-from tests.test_scheduler_side import Blocks, output, request, setup, store_saves  # noqa: F401 (fixture)
+from tests.test_scheduler_side import output, request, setup, store_saves  # noqa: F401 (fixture)
 from tests.test_tiers_store import NS, payload, put_chain, store
 
 
@@ -83,7 +82,7 @@ def test_a_store_without_two_local_tiers_copies_nothing(tmp_path):
     s.close()
 
 
-# -- the scheduler's side: what it reports as reused and as loaded -------------------------
+# -- the scheduler's side: what it reports as reused -------------------------
 def test_stored_chunks_a_new_request_finds_are_reported_once(setup):  # noqa: F811
     side, writer = setup
     first = request("a", 700)
@@ -98,32 +97,4 @@ def test_stored_chunks_a_new_request_finds_are_reported_once(setup):  # noqa: F8
     side.get_num_new_matched_tokens(again, 640)  # asked again: reported once
     assert side.build_connector_meta(output()).reused == [c.key for c in side.requests["b"].chunks]
     assert side.build_connector_meta(output()).reused == []
-
-
-def test_loaded_tokens_count_only_what_the_workers_loaded(setup):  # noqa: F811
-    side, writer = setup
-    side.get_num_new_matched_tokens(request("a", 1500), 0)
-    store_saves(writer, side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 1500})))
-    side.request_finished(request("a", 1500))
-
-    whole = request("b", 1500)            # every chunk fails to load (damaged, say)
-    assert side.get_num_new_matched_tokens(whole, 0) == (1499, False)
-    side.update_state_after_alloc(whole, Blocks(list(range(12))), 1499)
-    side.build_connector_meta(output())
-    side.loads_failed(set(range(12)))
-    assert side.request_finished(whole) == {}
-
-    part = request("c", 1500)             # chunks 0-1 load; chunk 2 and after fail
-    side.get_num_new_matched_tokens(part, 0)
-    side.update_state_after_alloc(part, Blocks(list(range(20, 32))), 1499)
-    side.build_connector_meta(output())
-    side.loads_failed(set(range(24, 32)))
-    assert side.request_finished(part) == {"dram": 512}
-
-    other = request("d", 1500)            # another request's failure changes nothing here
-    side.get_num_new_matched_tokens(other, 0)
-    side.update_state_after_alloc(other, Blocks(list(range(40, 52))), 1499)
-    side.build_connector_meta(output())
-    side.loads_failed({7})
-    assert side.request_finished(other) == {"dram": 1499}
 

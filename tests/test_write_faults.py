@@ -62,8 +62,8 @@ def test_a_full_disk_is_counted_by_cause_and_logged_once_per_episode(tmp_path, m
         put_chain(s, keys[:5])
         failing_writes(m, errno.EROFS)                      # a second cause in the same episode
         put_chain(s, keys[5:7])
-    assert s.counters()["disk.write_failures.no_space"] == 5
-    assert s.counters()["disk.write_failures.read_only"] == 2
+    assert s.counters()["write_failure:no_space:disk"] == 5
+    assert s.counters()["write_failure:read_only:disk"] == 2
     assert s.stats.tiers["disk"].writes == 0 and s.lookup(keys) == []
     # every claim went back, no temporary file is left
     assert s.tiers[0].used_bytes() == 0 and tmp_files(tmp_path / "disk") == [] and dict(s.tiers[0].scan()) == {}
@@ -151,7 +151,7 @@ def test_a_shared_folder_removed_while_in_use_fails_nothing_and_is_made_again(tm
     again = [k[:2] + keys_of(1, seed=1000 + i)[0][2:] for i, k in enumerate(first)]
     put_chain(s, again)
     st = s.stats.tiers["shared"]
-    assert st.errors == 0 and not any(".write_failures." in k for k in s.counters())
+    assert st.errors == 0 and not any(k.startswith("write_failure:") for k in s.counters())
     assert all((root / "ns" / k[:2] / k).exists() for k in again)
     assert messages(caplog) == []
     s.close()
