@@ -25,7 +25,6 @@ import psutil
 import pytest
 
 from cache.codec import decode
-from cache.keys import DIGEST_BYTES
 from cache.tiers.layout import TMP_MARK, USAGE, USAGE_FILE
 from serving.leftovers import candidates, held_paths
 from tests.conftest import REPO, close_logprobs, engine_env
@@ -69,8 +68,12 @@ def accounted(folder) -> int:
     return USAGE.unpack((folder / USAGE_FILE).read_bytes())[0]
 
 
+def entries(folder) -> list[str]:
+    return [path for _ns, _key, path in entry_files(str(folder))]
+
+
 def entry_bytes(folder) -> int:
-    return sum(os.path.getsize(p) for p in entry_files(str(folder)))
+    return sum(os.path.getsize(p) for p in entries(folder))
 
 
 def kill_mid_write(proc: subprocess.Popen, folder, timeout=300.0) -> list[str]:
@@ -107,9 +110,8 @@ def remove_vllm_leftovers(before: set) -> None:
 def entries_are_whole(folder) -> int:
     """Every entry file under ``folder`` passes the full check (header, length, checksum)."""
     n = 0
-    for path in entry_files(str(folder)):
-        raw = open(path, "rb").read()
-        decode(raw, raw[12:12 + DIGEST_BYTES], os.path.basename(path))  # its own namespace: the rest must hold
+    for ns, key, path in entry_files(str(folder)):
+        decode(open(path, "rb").read(), bytes.fromhex(ns), key)
         n += 1
     return n
 
@@ -146,7 +148,7 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
                           *({"random_batch": b} for b in BATCHES)]}, logs, "e1")
     try:
         wait_for(tmp / "e1-ready", e1, logs, "e1")
-        on_disk_before_batches = len(entry_files(str(disk)))
+        on_disk_before_batches = len(entries(disk))
         left = kill_mid_write(e1, disk)
     finally:
         if e1.poll() is None:
@@ -166,7 +168,7 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
                           {"reset_prefix_cache": True}, {"prompt_token_ids": P}, {"sleep": 1.0},
                           *fill, {"prompt_token_ids": G}, {"sleep": 1.0},
                           {"prompt_token_ids": R}, {"reset_prefix_cache": True}, {"prompt_token_ids": R},
-                          {"sleep": 1.0}, {"metrics": True}]}, logs, "e2")
+                          {"sleep": 1.0}, {"metrics": "kvcache:"}]}, logs, "e2")
     try:
         wait_for(tmp / "e2-ready", e2, logs, "e2")
         out["restart"] = {"temp_files": temp_files(disk), "accounted": accounted(disk),
@@ -179,7 +181,7 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
     out["e2"] = results(logs, "e2")
     out["e2_log"] = (logs / "e2.err").read_text()
     out["after"] = {"temp_files": temp_files(disk) + temp_files(dram2),
-                    "shared_entries": len(entry_files(str(shared)))}
+                    "shared_entries": len(entries(shared))}
     return out
 
 
@@ -209,9 +211,12 @@ def test_damaged_entries_in_dram_and_on_disk_are_recomputed(run):
     for folder, done in damaged.items():
         assert done["flipped"] > 0 and done["truncated"] > 0, folder
     recomputed = run["e2"][2]
-    assert recomputed["loaded"] == {}            # nothing damaged was loaded
+    # nothing damaged was served: every token was computed ("loaded" counts what was
+    # planned, failed loads included; the explanation says what happened)
+    assert recomputed["explain"] and not any(r.get("from") for r in recomputed["explain"])
+    assert any(r.get("computed") == "damaged" for r in recomputed["explain"]), recomputed["explain"]
     assert close_logprobs(recomputed, run["e1"][0])
-    metrics = run["e2"][-1]
+    metrics = run["e2"][-1]["labelled"]
     assert metrics["kvcache:tier_corrupt_total{tier=dram}"] > 0
     assert metrics["kvcache:tier_corrupt_total{tier=disk}"] > 0
 
@@ -222,7 +227,7 @@ def test_the_shared_folder_removed_while_serving_fails_nothing(run):
     r_again = run["e2"][-2]
     assert r_again["loaded"] == {"dram": len(R) - 1}
     assert run["after"]["shared_entries"] >= 3   # R's chunks
-    assert run["e2"][-1]["kvcache:tier_persisted_total{tier=disk}"] >= 3
+    assert run["e2"][-1]["labelled"]["kvcache:tier_persisted_total{tier=disk}"] >= 3
 
 
 def test_a_full_filesystem_is_counted_and_logged_once(run):
@@ -233,5 +238,5 @@ def test_a_full_filesystem_is_counted_and_logged_once(run):
     recovered = [line for line in log if "writes to the dram tier succeed again" in line]
     assert len(failing) == 1 and "no space left" in failing[0], failing
     assert len(recovered) == 1 and "no_space: 4" in recovered[0], recovered
-    metrics = run["e2"][-1]
+    metrics = run["e2"][-1]["labelled"]
     assert metrics["kvcache:tier_write_failures_total{cause=no_space,tier=dram}"] == 4  # 2 prompts x 2 chunks
