@@ -28,12 +28,9 @@ calls (microseconds), never across I/O. Tier failures never escape: they are cou
 outages, once each); a failed write is counted by cause and logged once per episode
 (``cache.faults``).
 
-Durability: DRAM is a tmpfs that a new container starts without, and evictions alone
-would leave on disk only what was cold. So chunks used again (``persist``: the
-scheduler says which chunks a new request found stored) are also copied down to the
-last local tier (disk), one at a time on the writer thread between new writes, from a
-bounded queue (full: dropped and counted, never blocking); that tier's admission policy
-decides, as for any write. ``close`` flushes what it can within its budget.
+Durability (``cache.durability``): chunks used again (``persist``) are also copied down
+to the last local tier in the background, so a new container finds them on disk.
+``close`` flushes what it can within its budget.
 
 Callers use the operations below, never the tiers: ``counters``/``levels`` for metrics,
 ``note_loaded`` for tokens served, ``recheck_shared``/``reject_shared`` for what the
@@ -47,13 +44,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
+from cache.durability import CopyQueue
 from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy
 from cache.tiers.base import Buffer, Tier
@@ -97,7 +94,6 @@ class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
     dropped_writes: int = 0    # write-behind queue full: dropped rather than block
     dropped_publishes: int = 0  # shared-tier queue full: dropped rather than block
-    dropped_persists: int = 0  # durability queue full: dropped rather than block
 
 
 WARN_INTERVAL_S = 60.0
@@ -149,10 +145,6 @@ class TieredStore:
         self._publish_bytes = 0
         self._max_publish = max_publish_bytes
         self._draining = False
-        # Durability: keys used again, waiting to be copied down to the last local tier.
-        self._persist_queue: OrderedDict[str, None] = OrderedDict()
-        self._max_persist = max_persist_keys
-        self._persisting = False
         self.faults = WriteFaults()
         # Reads run on a pool; writes (and the evictions and demotions they cause) on one
         # thread, in order, so a chain's parent is always stored before its child.
@@ -168,6 +160,9 @@ class TieredStore:
                 self._publisher = pool(1, "publish")
             for i in range(self.n_local):
                 self._adopt(i)
+        # Keys used again, to copy down to the last local tier (none with one local tier).
+        self._copies = (CopyQueue(max_persist_keys, self._submit, self._copy_down)
+                        if self._writer is not None and self.n_local >= 2 else None)
 
     # -- lookup (scheduler path: cheap, never reads payloads) -----------------
     def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[int]:
@@ -370,43 +365,13 @@ class TieredStore:
             st.writes += 1
             st.bytes_written += nbytes
 
-    # -- durability: what is used again also goes to disk ---------------------------
+    # -- durability: what is used again also goes to disk (``cache.durability``) -----
     def persist(self, keys: Sequence[str]) -> None:
         """``keys`` were used again (a later request found them stored): each one that only
         an upper local tier holds is copied down to the last local tier in the background.
         Returns at once; keys beyond the queue's bound are dropped (counted)."""
-        if self.policies is None or self.n_local < 2:
-            return
-        with self._lock:
-            queue = self._persist_queue
-            for key in keys:
-                if key in queue:
-                    continue
-                if len(queue) >= self._max_persist:
-                    self.stats.dropped_persists += 1
-                    continue
-                queue[key] = None
-            start = bool(queue) and not self._persisting
-            self._persisting = self._persisting or start
-        if start:
-            self._submit(self._persist_next)
-
-    def _persist_next(self) -> None:
-        """Copy the next queued key down (writer thread), then queue the rest behind the
-        writes submitted meanwhile: a burst of copies never holds up new entries long."""
-        with self._lock:
-            if not self._persist_queue:
-                self._persisting = False
-                return
-            key = self._persist_queue.popitem(last=False)[0]
-        try:
-            self._copy_down(key)
-        finally:
-            try:
-                self._submit(self._persist_next)
-            except RuntimeError:  # closed: the writer takes no more work
-                with self._lock:
-                    self._persisting = False
+        if self._copies is not None:
+            self._copies.add(keys)
 
     def _copy_down(self, key: str) -> None:
         last = self.n_local - 1
@@ -618,7 +583,7 @@ class TieredStore:
         out = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in asdict(st).items()}
         out["all.dropped_writes"] = self.stats.dropped_writes
         out["all.dropped_publishes"] = self.stats.dropped_publishes
-        out["all.dropped_persists"] = self.stats.dropped_persists
+        out["all.dropped_persists"] = self._copies.dropped if self._copies is not None else 0
         out.update(self.faults.counters())
         return out
 
@@ -662,7 +627,7 @@ class TieredStore:
             flushed = self.flush(timeout)
             if not flushed:
                 with self._lock:
-                    left, copies = len(self._pending), len(self._persist_queue)
+                    left, copies = len(self._pending), len(self._copies or ())
                 log.warning("kvcache: closing with %d background writes and %d copies to disk left "
                             "after %.1f s; they are dropped (future misses)", left, copies, timeout or 0)
             for pool in (self._io, self._writer, self._publisher):
