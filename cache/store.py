@@ -471,20 +471,24 @@ class TieredStore:
             self._note(key, "not_admitted", tier.name)
             return False
         rescanned = False
-        while not tier.reserve(nbytes, key):
-            with self._lock:
-                victim = policy.victim()
-                if victim is not None:
-                    policy.remove(victim)
-            if victim is None:
-                if rescanned:   # still full of entries we cannot evict: skip this write
-                    st.rejected += 1
-                    self._note(key, "not_admitted", tier.name)
-                    return False
-                self._adopt(i)
-                rescanned = True
-                continue
-            self._evict(i, victim)
+        try:
+            while not tier.reserve(nbytes, key):
+                with self._lock:
+                    victim = policy.victim()
+                    if victim is not None:
+                        policy.remove(victim)
+                if victim is None:
+                    if rescanned:   # still full of entries we cannot evict: skip this write
+                        st.rejected += 1
+                        self._note(key, "not_admitted", tier.name)
+                        return False
+                    self._adopt(i)
+                    rescanned = True
+                    continue
+                self._evict(i, victim)
+        except Exception as e:  # the folder unusable (read-only, I/O error ...): a failed write
+            self._failed(tier, "writing", key, e)
+            return False
         try:
             published = tier.write(key, parts, nbytes)
         except Exception as e:

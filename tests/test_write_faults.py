@@ -80,6 +80,21 @@ def test_a_full_disk_is_counted_by_cause_and_logged_once_per_episode(tmp_path, m
     s.close()
 
 
+def test_an_unusable_tier_folder_is_a_counted_write_failure_not_an_exception(tmp_path, caplog):
+    """Not only the write itself: a folder whose lock cannot even be taken (here the
+    folder was replaced by a file) fails each write, counted and logged once."""
+    caplog.set_level(logging.WARNING, logger="cache")
+    s = store(tmp_path, dram=0)
+    keys = chunk_keys(NS, list(range(3 * 16)), 16)
+    shutil.rmtree(tmp_path / "disk")
+    (tmp_path / "disk").write_bytes(b"not a folder")
+    put_chain(s, keys)
+    assert s.counters()["write_failure:missing:disk"] == 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name != "cache.faults"] == []
+    assert len(messages(caplog)) == 1 and "folder missing" in messages(caplog)[0]
+    s.close()
+
+
 def test_write_failures_reach_prometheus_with_tier_and_cause(tmp_path, monkeypatch):
     from cache.vllm.metrics import StatsDelta, TieredKVPromMetrics, TieredKVStats
 
