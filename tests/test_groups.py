@@ -212,6 +212,17 @@ def test_copies_span_groups_each_with_its_own_blocks():
         copier.gather([1, 2, 3])
 
 
+def test_the_cache_off_answers_everything_the_connector_asks_of_either_side():
+    import re
+    from pathlib import Path
+
+    import cache.vllm.connector as connector
+
+    source = Path(connector.__file__).read_text()
+    asked = set(re.findall(r"(?:scheduler|worker)_side\.(\w+)\(", source))
+    assert asked and {name for name in asked if not callable(getattr(CacheOff, name, None))} == set()
+
+
 def test_a_model_the_cache_cannot_serve_reports_the_tiers_off_once(tmp_path):
     cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB"})

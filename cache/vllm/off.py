@@ -41,6 +41,9 @@ class CacheOff:
     def saves_settled(self, keys: list[str]) -> None:
         return None
 
+    def explain_finished(self, request) -> list[dict]:
+        return []  # nothing looked up: the model runs without the tiers (said once at start-up)
+
     def request_finished(self, request) -> dict:
         return {}
 
