@@ -25,7 +25,12 @@ threads, local writes on one writer thread in submission order, publishes on one
 publisher thread. The policy structures are guarded by one lock, held only for policy
 calls (microseconds), never across I/O. Tier failures never escape: they are counted in
 ``stats`` and logged at most once a minute per tier (the shared tier logs its own
-outages, once each).
+outages, once each); a failed write is counted by cause and logged once per episode
+(``cache.faults``).
+
+Durability (``cache.durability``): chunks used again (``persist``) are also copied down
+to the last local tier in the background, so a new container finds them on disk.
+``close`` flushes what it can within its budget.
 
 Callers use the operations below, never the tiers: ``counters``/``levels`` for metrics,
 ``note_loaded`` for tokens served, ``recheck_shared``/``reject_shared`` for what the
@@ -45,6 +50,8 @@ from typing import Callable, Optional, Sequence
 
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
+from cache.durability import CopyQueue
+from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
 
@@ -79,6 +86,7 @@ class TierStats:
     unavailable: int = 0       # calls refused or failed while the tier is unreachable
     load_seconds: float = 0.0
     tokens_loaded: int = 0     # counted by the connector: prompt tokens served from here
+    persisted: int = 0         # reused entries copied down into this tier (durability)
 
 
 @dataclass
@@ -102,6 +110,7 @@ class TieredStore:
         max_pending_bytes: int = 1 << 30,
         shared_admission: str = "reused",
         max_publish_bytes: int = 256 << 20,
+        max_persist_keys: int = 4096,
         thread_setup: Optional[Callable[[str], None]] = None,
         timer: Optional[Callable[[str, float], None]] = None,
     ) -> None:
@@ -136,6 +145,7 @@ class TieredStore:
         self._publish_bytes = 0
         self._max_publish = max_publish_bytes
         self._draining = False
+        self.faults = WriteFaults()
         # Reads run on a pool; writes (and the evictions and demotions they cause) on one
         # thread, in order, so a chain's parent is always stored before its child.
         self._io = self._writer = self._publisher = None
@@ -150,6 +160,9 @@ class TieredStore:
                 self._publisher = pool(1, "publish")
             for i in range(self.n_local):
                 self._adopt(i)
+        # Keys used again, to copy down to the last local tier (none with one local tier).
+        self._copies = (CopyQueue(max_persist_keys, self._submit, self._copy_down)
+                        if self._writer is not None and self.n_local >= 2 else None)
 
     # -- lookup (scheduler path: cheap, never reads payloads) -----------------
     def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[int]:
@@ -350,16 +363,49 @@ class TieredStore:
         except Exception as e:
             self._failed(tier, "writing", key, e)
             return
+        self.faults.succeeded(tier.name)
         self._note(key, "stored", tier.name)  # by this call or, first, by another node
         if published:
             st.writes += 1
             st.bytes_written += nbytes
 
+    # -- durability: what is used again also goes to disk (``cache.durability``) -----
+    def persist(self, keys: Sequence[str]) -> None:
+        """``keys`` were used again (a later request found them stored): each one that only
+        an upper local tier holds is copied down to the last local tier in the background.
+        Returns at once; keys beyond the queue's bound are dropped (counted)."""
+        if self._copies is not None:
+            self._copies.add(keys)
+
+    def _copy_down(self, key: str) -> None:
+        last = self.n_local - 1
+        if self.tiers[last].contains(key):
+            return
+        for i in range(last):
+            tier = self.tiers[i]
+            try:
+                raw = tier.read(key)
+            except KeyError:
+                continue
+            except Exception as e:
+                self._failed(tier, "reading", key, e)
+                continue
+            try:  # the header only: every read verifies the whole entry anyway
+                parent = read_header(raw, self.namespace, key).parent
+            except CorruptEntry:
+                return  # the next read drops it
+            if self._store(last, key, parent, [raw]):
+                self.stats.tiers[self.tiers[last].name].persisted += 1
+            return
+
     def _failed(self, tier: Tier, doing: str, key: str, e: Exception) -> None:
-        """Count a tier failure; log it (at most once a minute per tier). Connection
-        trouble and deadlines are the shared tier's to report (once per outage)."""
+        """Count a tier failure; log it (at most once a minute per tier; a write: once per
+        episode, with its cause). Connection trouble and deadlines are the shared tier's
+        to report (once per outage)."""
         st = self.stats.tiers[tier.name]
         reading = doing == "reading"
+        if doing == "writing":
+            self.faults.failed(tier.name, e)
         if isinstance(e, ConnectionError):
             st.unavailable += 1
             self._note(key, "shared_unreachable", tier.name)
@@ -370,6 +416,8 @@ class TieredStore:
             self._note(key, "load_timeout" if reading else "shared_unreachable", tier.name)
             return
         self._note(key, "damaged" if reading else "not_admitted", tier.name)
+        if doing == "writing":
+            return  # logged by ``faults`` once per episode
         self._warn(tier.name, "kvcache: %s %s in %s failed: %s", doing, key, tier.name, e)
 
     def _warn(self, tier_name: str, fmt: str, *args) -> None:
@@ -423,14 +471,20 @@ class TieredStore:
 
         def write() -> bool:
             try:
-                return tier.write(key, parts, nbytes)
+                published = tier.write(key, parts, nbytes)
             except Exception as e:
                 self._failed(tier, "writing", key, e)
                 return False
+            self.faults.succeeded(tier.name)
+            return published
 
-        outcome = policy.offer(key, parent, nbytes, reserve=lambda: tier.reserve(nbytes, key),
-                               evict=lambda victim: self._evict(i, victim), write=write,
-                               lock=self._lock, rescan=lambda: self._adopt(i))
+        try:
+            outcome = policy.offer(key, parent, nbytes, reserve=lambda: tier.reserve(nbytes, key),
+                                   evict=lambda victim: self._evict(i, victim), write=write,
+                                   lock=self._lock, rescan=lambda: self._adopt(i))
+        except Exception as e:  # the folder unusable (read-only, I/O error ...): a failed write
+            self._failed(tier, "writing", key, e)
+            return False
         if outcome in (Offer.REFUSED, Offer.NO_ROOM):
             st.rejected += 1
             self._note(key, "not_admitted", tier.name)
@@ -519,10 +573,13 @@ class TieredStore:
             self.shared.reject(key)
 
     def counters(self) -> dict[str, float]:
-        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...}``."""
+        """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...,
+        "write_failure:<cause>:<tier>": n}``."""
         out = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in asdict(st).items()}
         out["all.dropped_writes"] = self.stats.dropped_writes
         out["all.dropped_publishes"] = self.stats.dropped_publishes
+        out["all.dropped_persists"] = self._copies.dropped if self._copies is not None else 0
+        out.update(self.faults.counters())
         return out
 
     def levels(self) -> dict[str, int]:
@@ -541,8 +598,8 @@ class TieredStore:
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until queued writes (and the promotions, demotions and publishes they
-        cause) are done."""
+        """Wait until queued writes (and the promotions, demotions, publishes and copies
+        down they cause) are done; False if ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -557,14 +614,23 @@ class TieredStore:
                     if deadline is not None and time.monotonic() >= deadline:
                         return False
 
-    def close(self, timeout: Optional[float] = 10.0) -> None:
+    def close(self, timeout: Optional[float] = 10.0) -> bool:
+        """Flush within ``timeout`` (what is left then is dropped: a future miss, never a
+        damaged entry), stop the threads, close the tiers. Returns whether all was flushed."""
+        flushed = True
         if self._io is not None:
-            self.flush(timeout)
+            flushed = self.flush(timeout)
+            if not flushed:
+                with self._lock:
+                    left, copies = len(self._pending), len(self._copies or ())
+                log.warning("kvcache: closing with %d background writes and %d copies to disk left "
+                            "after %.1f s; they are dropped (future misses)", left, copies, timeout or 0)
             for pool in (self._io, self._writer, self._publisher):
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
         for t in self.tiers:
             t.close()
+        return flushed
 
     def check(self) -> None:
         """Invariants, for tests: bounds hold and every tracked key is present (local

@@ -12,16 +12,23 @@ Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "lo
        "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
                  {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
                  {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
-                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX}]}
+                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX} |
+                 {"random_batch": [SEED, N, LEN]} | {"damage": [FOLDER, ...]} | {"remove": PATH} |
+                 {"fill": FOLDER} | {"unfill": FOLDER}]}
 
 ``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
-off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``).
+off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``),
+by name and, under ``labelled``, by ``name{cause=..,tier=..}``. ``damage`` flips a payload
+bit of every other entry file and truncates the rest; ``fill`` takes every free byte of
+FOLDER's filesystem with one file, ``unfill`` removes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import sys
 import time
 
@@ -84,6 +91,47 @@ def break_entries(folder: str, keep: str) -> int:
     return n
 
 
+def flip(path: str, offset: int, mask: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def damage_entries(folder: str) -> dict:
+    """Flip one payload bit of every other entry under ``folder``; cut the others short
+    (alternately inside the payload and inside the header)."""
+    from cache.codec import HEADER_SIZE
+
+    done = {"flipped": 0, "truncated": 0}
+    for i, (_ns, _key, path) in enumerate(sorted(entry_files(folder))):
+        if i % 2 == 0:
+            flip(path, HEADER_SIZE + 11, 0x04)
+            done["flipped"] += 1
+        else:
+            os.truncate(path, HEADER_SIZE + 1000 if i % 4 == 1 else HEADER_SIZE // 2)
+            done["truncated"] += 1
+    return done
+
+
+BALLAST = ".ballast"
+
+
+def fill(folder: str) -> int:
+    """Take every free byte of ``folder``'s filesystem (another process filled it)."""
+    block = b"\0" * (1 << 16)
+    n = 0
+    with open(os.path.join(folder, BALLAST), "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 512, 1):
+            try:
+                while True:
+                    n += f.write(block[:size])
+            except OSError:
+                pass
+    return n
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.update(spec["cache"])  # inherited by the engine's processes
@@ -110,9 +158,25 @@ def main() -> None:
         elif "metrics" in step:
             from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
 
-            found = {s.name: s.value for m in REGISTRY.collect() if m.name.startswith(step["metrics"])
-                     for s in m.samples}
-            print("RESULT " + json.dumps({"metrics": found}), flush=True)
+            samples = [s for m in REGISTRY.collect() if m.name.startswith(step["metrics"]) for s in m.samples]
+            labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                                if k in ("tier", "cause")) + "}": s.value for s in samples}
+            print("RESULT " + json.dumps({"metrics": {s.name: s.value for s in samples}, "labelled": labelled}),
+                  flush=True)
+        elif "damage" in step:
+            print("RESULT " + json.dumps({f: damage_entries(f) for f in step["damage"]}), flush=True)
+        elif "remove" in step:
+            shutil.rmtree(step["remove"])
+        elif "fill" in step:
+            print("RESULT " + json.dumps({"ballast": fill(step["fill"])}), flush=True)
+        elif "unfill" in step:
+            os.unlink(os.path.join(step["unfill"], BALLAST))
+        elif "random_batch" in step:  # N prompts of LEN random tokens, seeds SEED, SEED+1, ...
+            seed, n, length = step["random_batch"]
+            rngs = [random.Random(seed + i) for i in range(n)]
+            prompts = [[rng.randrange(0, 256) for _ in range(length)] for rng in rngs]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            print("RESULT " + json.dumps({"batch": len(outs)}), flush=True)
         elif "unsign" in step:
             print("RESULT " + json.dumps({"unsigned": sum(unsign_entries(f) for f in step["unsign"])}), flush=True)
         elif "break" in step:

@@ -76,6 +76,9 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
     assert warmed["reloaded"] == {"dram": HIT_P1 + HIT_P2}
     # 6 chunks of P1 (5 whole + tail) and 3 of P2 (2 whole + tail), all signed, in L3
     assert len(entry_files(tmp_path / "l3")) == 9
+    # and on local disk too (durability: used twice, copied down from DRAM, which never
+    # overflowed; the shutdown flushed the copies), for a new container on this node
+    assert len([f for f in entry_files(tmp_path / "disk-a") if not f.startswith(".")]) == 9
 
     hit, hit2 = run_l3_engine({
         "model": model_path,

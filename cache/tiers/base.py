@@ -57,7 +57,8 @@ class Tier(ABC):
         """Publish ``parts`` (concatenated) as ``key``, atomically: readers see the whole
         entry or nothing. ``nbytes`` must already be reserved; the reservation is kept
         when the write publishes and released when it does not (key already present,
-        I/O error). Returns whether this call published the entry."""
+        or an error). Returns whether this call published the entry; a failure (no
+        space, read-only, I/O error, tier down) raises, and the store counts its cause."""
 
     @abstractmethod
     def delete(self, key: str) -> int:

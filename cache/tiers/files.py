@@ -24,7 +24,6 @@ calls them from I/O threads. ``contains`` is one ``stat``.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -71,11 +70,17 @@ class FileTier(Tier):
     # -- shared accounting ---------------------------------------------------
     @contextmanager
     def _locked_usage(self):
-        """Yields a file object on ROOT/.usage with the folder lock held."""
-        with open(self._lock_path, "rb") as lock:
+        """Yields a file object on ROOT/.usage with the folder lock held. A folder removed
+        behind our back is started again (empty), rather than failing every call."""
+        try:
+            lock = open(self._lock_path, "ab")
+        except FileNotFoundError:
+            os.makedirs(self.folder, exist_ok=True)
+            lock = open(self._lock_path, "ab")
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                with open(self._usage_path, "r+b") as usage:
+                with open(os.open(self._usage_path, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as usage:
                     yield usage
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -101,7 +106,10 @@ class FileTier(Tier):
             if used + nbytes > self.capacity:
                 return False
             if key is not None:
-                self._claims[key] = self._open_tmp(key, nbytes)
+                try:
+                    self._claims[key] = self._open_tmp(key, nbytes)
+                except OSError:  # (full, read-only ...) ``write`` tries again and raises it
+                    pass
             self._put(usage, used + nbytes)
             return True
 
@@ -164,10 +172,8 @@ class FileTier(Tier):
                         views[0] = views[0][n:]
             finally:
                 os.close(fd)
-        except OSError as e:
+        except OSError:  # full, read-only, I/O error ...: the claim goes back, the caller counts it
             self._settle(tmp, final, nbytes, publish=False)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
-                return False
             raise
         return self._settle(tmp, final, nbytes, publish=True)
 

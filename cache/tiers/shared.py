@@ -246,8 +246,15 @@ class SharedTier(Tier):
             self._call("makedirs", shard)
             self._dirs.add(shard)
         tmp = temp_path(final)
+        timeout = self.timeout_s + nbytes / WRITE_BYTES_PER_SECOND
         try:
-            self._call("write", tmp, list(parts), timeout=self.timeout_s + nbytes / WRITE_BYTES_PER_SECOND)
+            try:
+                self._call("write", tmp, list(parts), timeout=timeout)
+            except FileNotFoundError:  # the folder was removed behind our back: make it again
+                self._dirs.clear()
+                self._call("makedirs", shard)
+                self._dirs.add(shard)
+                self._call("write", tmp, list(parts), timeout=timeout)
             try:
                 self._call("rename", tmp, final)
             except SharedUnavailable:

@@ -49,6 +49,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     saves: list[ChunkIO] = field(default_factory=list)
     # Chunks that requests waiting in the queue will load soon: the policies protect them.
     upcoming: list[str] = field(default_factory=list)
+    # Stored chunks that new requests found (used again, loaded or in vLLM's own prefix
+    # cache): the workers copy them down to disk so a restart finds them (durability).
+    reused: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -12,7 +12,9 @@ their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cach
 the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
 with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
 prompt tokens computed since its last report, by the reason they were not loaded
-(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``.
+(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``. The workers add
+``{"write_failure:<cause>:<tier>": n}``: failed tier writes by cause (``cache.faults``),
+exported as ``kvcache:tier_write_failures_total{tier,cause}``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ COUNTERS = {
     "dropped_writes": "Saves dropped because the write-behind queue was full (tier=all)",
     "dropped_publishes": "Shared-tier publishes dropped because their queue was full (tier=all)",
     "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
+    "persisted": "Reused entries copied down into the tier in the background, so a restart finds them",
+    "dropped_persists": "Copies to disk of reused entries dropped because their queue was full (tier=all)",
 }
 
 
@@ -98,6 +102,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             name="kvcache:misses", labelnames=labelnames + ["tier", "cause"],
             documentation="Prompt tokens whose KV was computed, by why it was not loaded "
                           "(cause) and the tier concerned (none: no one tier)")
+        self._write_failures = self._counter_cls(
+            name="kvcache:tier_write_failures", labelnames=names + ["cause"],
+            documentation="Failed writes to the tier, by cause (no_space, read_only, io_error, missing, "
+                          "unavailable, timeout ...); the entry is not stored there")
         self._gauges = {
             "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
                                           labelnames=names),
@@ -112,10 +120,11 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
-            if key.startswith("miss:"):
-                _, cause, tier = key.split(":", 2)
+            if key.startswith(("miss:", "write_failure:")):
+                kind, cause, tier = key.split(":", 2)
                 if value > 0:
-                    self._misses.labels(*labels, tier, cause).inc(value)
+                    counter = self._misses if kind == "miss" else self._write_failures
+                    counter.labels(*labels, tier, cause).inc(value)
                 continue
             tier, _, field = key.rpartition(".")
             if field == "enabled":

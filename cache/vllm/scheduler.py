@@ -103,6 +103,7 @@ class RequestState:
     checkpoints: set[int] = field(default_factory=set)
     window_saves: dict[int, set[int]] = field(default_factory=dict)
     why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
+    reuse_noted: bool = False  # its stored chunks were reported as used again
 
 
 class SchedulerSide:
@@ -131,6 +132,7 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
+        self._reused: dict[str, None] = {}    # ordered set of stored entry keys new requests found
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
@@ -200,6 +202,10 @@ class SchedulerSide:
         if self.layout.hybrid:  # a chunk counts as found only inside a hit its windows allow
             found = found[:plan.chunks if plan is not None else 0]
         st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
+        if not st.reuse_noted:  # what was stored before it came is used again: the workers
+            st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
+            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]]
+                                              + [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]))
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
             self._plan_window_saves(st)
@@ -273,8 +279,8 @@ class SchedulerSide:
         st.issued.extend(load.chunks)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming))
-        self._loads, self._upcoming = [], {}
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused))
+        self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))

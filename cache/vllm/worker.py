@@ -111,6 +111,8 @@ class WorkerSide:
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
             self.store.hint_upcoming(meta.upcoming)
+        if meta.reused:
+            self.store.persist(meta.reused)  # queued: copied to disk behind the writes
         mark = None
         for load in meta.loads:
             if load.asynchronous:
@@ -237,9 +239,13 @@ class WorkerSide:
         return TieredKVWorkerMetadata(settled, events) if settled or events else None
 
     def shutdown(self) -> None:
-        """Flush write-behind within vLLM's worker shutdown grace (~5 s); what is not
-        written by then is a future miss, never a damaged entry."""
-        deadline = time.monotonic() + 1.0
-        for t in list(self._inflight.values()):
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.store.close(timeout=3.0)
+        """Flush write-behind (new entries, publishes, copies to disk) within vLLM's worker
+        shutdown grace (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 s), keeping 1 s of it;
+        what is not written by then is a future miss, never a damaged entry."""
+        from vllm import envs
+
+        start = time.monotonic()
+        deadline = start + max(1.0, envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS - 1.0)
+        for t in list(self._inflight.values()):  # loads in flight: at most 1 s in all
+            t.join(timeout=max(0.0, start + 1.0 - time.monotonic()))
+        self.store.close(timeout=max(0.5, deadline - time.monotonic()))
