@@ -122,7 +122,7 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     why = side.explain_finished(req)
     assert [(r.get("from") or r["computed"], r.get("tier")) for r in why] == [
         ("dram", None), ("damaged", "dram"), ("after_miss", None)]
-    side.request_finished(req)
+    assert side.request_finished(req) == {"dram": 256}  # only the chunk before the failure loaded
     # the damaged entry was dropped: the next request is told why it is missing
     assert run(side, writer, settle, request("c", 600))[1] == (256, 512, "damaged", "dram")
     # an entry signed with another key
@@ -137,6 +137,20 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     assert writer.get(key) is None
     settle()
     assert run(side, writer, settle, request("e", 600, seed=5))[-1][2:] == ("unsigned", "dram")
+
+
+def test_a_request_failed_whole_loaded_nothing(setup):
+    """Hybrid models' loads fail per request (vLLM computes it all again)."""
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    req = request("b", 600)
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, Blocks(list(range(12))), n)
+    side.build_connector_meta(output())
+    side.requests_failed({req.request_id})
+    why = side.explain_finished(req)
+    assert [(r.get("from") or r["computed"]) for r in why][-1] == "after_miss"
+    assert "dram" not in [r.get("from") for r in why] and side.request_finished(req) == {}
 
 
 def test_writing_recompute_and_shared_down(setup):

@@ -331,7 +331,13 @@ class SchedulerSide:
         the shared tier's view forgets what those requests loaded, to ask again."""
         for req_id in req_ids:
             st = self.requests.get(req_id)
-            for view in (self.views if st is not None else ()):
+            if st is None:
+                continue
+            issued = {c.key for c in st.issued}
+            first = next((c for c in st.chunks if issued.intersection(c.keys)), None)
+            if first is not None:  # the whole request is computed again from its first load
+                self.explain.load_failed(st.why, first.key)
+            for view in self.views:
                 for c in st.issued:
                     view.reject_shared(c.key)
 
@@ -345,9 +351,20 @@ class SchedulerSide:
         """Where the request's KV came from, or why it was computed (``cache.explain``);
         call before ``request_finished``."""
         st = self.requests.get(request.request_id)
-        return self.explain.finished(st.why) if st else []
+        if st is None:
+            return []
+        ranges = self.explain.finished(st.why)
+        if ranges and st.why is not None and st.why.failed is not None:
+            # A load failed: vLLM computed that chunk and every later one, so only the
+            # ranges the explanation still names a tier for were loaded.
+            st.loaded_tokens = {}
+            for r in ranges:
+                if r.get("from") in self.tier_names:
+                    st.loaded_tokens[r["from"]] = st.loaded_tokens.get(r["from"], 0) + r["tokens"][1] - r["tokens"][0]
+        return ranges
 
     def request_finished(self, request: "Request") -> dict:
-        """Forget the request; returns the tokens it loaded per tier (for its output)."""
+        """Forget the request; returns the tokens it loaded per tier (for its output;
+        after a failed load, as ``explain_finished`` recounted them)."""
         st = self.requests.pop(request.request_id, None)
         return dict(st.loaded_tokens) if st else {}
