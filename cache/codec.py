@@ -40,6 +40,10 @@ class CorruptEntry(Exception):
     """An entry that must not be served: truncated, damaged, foreign or unsigned."""
 
 
+class UnsignedEntry(CorruptEntry):
+    """Unsigned, or signed with another key, while a signing key is configured."""
+
+
 @dataclass(frozen=True)
 class EntryInfo:
     parent: Optional[str]  # key of the chunk before this one, None for a first chunk
@@ -118,8 +122,8 @@ def decode(buf, namespace: bytes, key: str, signing_key: bytes = b"") -> tuple[E
         raise CorruptEntry("payload checksum mismatch")
     if signing_key:
         if not flags & FLAG_SIGNED:
-            raise CorruptEntry("unsigned entry while a signing key is configured")
+            raise UnsignedEntry("unsigned entry while a signing key is configured")
         unsigned = fields[: _FIELDS.size - 32] + b"\0" * 32
         if not hmac.compare_digest(_mac(signing_key, unsigned, payload), mac):
-            raise CorruptEntry("signature mismatch")
+            raise UnsignedEntry("signature mismatch")
     return info, payload

@@ -10,6 +10,12 @@ Layouts:
 - DeepSeek multi-head latent attention (MLA): one compressed latent per layer,
   ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes`` per token.
 
+Hybrid models (``cache.layer_kinds``): only full-attention layers keep KV for every token
+(``bytes_per_token``); a sliding-window layer keeps its last ``window`` tokens, a Mamba /
+linear-attention layer a fixed state, both per request (``bytes_per_request``), as vLLM's
+hybrid KV cache manager holds them. ``full_layout_bytes_per_token`` is what every
+attention layer would take keeping every token (the hybrid manager off).
+
 The dtype is the KV cache dtype: the model's own (``torch_dtype``) unless a
 ``--kv-cache-dtype`` such as ``fp8`` overrides it. A float32 checkpoint counts as 2
 bytes, because vLLM's ``--dtype auto`` serves it in 16 bits.
@@ -25,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+from cache.layer_kinds import layer_kinds
 from cache.sizes import human_bytes
 
 _DTYPE_BYTES = {
@@ -50,24 +57,52 @@ class FootprintError(ValueError):
 class KVFootprint:
     model_type: str
     attention: str      # "mha", "gqa", "mqa" or "mla"
-    layers: int
+    layers: int         # layers keeping KV for every token (full attention)
     kv_heads: int       # 1 for MLA (one latent per layer)
     head_dim: int       # per KV head; for MLA kv_lora_rank + qk_rope_head_dim
     tensors: int        # 2 (K and V) or 1 (MLA latent)
     dtype: str
     dtype_bytes: int
     max_context: Optional[int] = None
+    window_layers: int = 0          # sliding-window layers: KV of their last ``window`` tokens
+    window: Optional[int] = None
+    state_layers: int = 0           # Mamba / linear-attention layers: a state per request
+    state_bytes: int = 0            # that state, all those layers together
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """KV bytes of one attention layer for one token."""
+        return self.kv_heads * self.head_dim * self.tensors * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * self.tensors * self.dtype_bytes
+        """Bytes every further token adds (full-attention layers)."""
+        return self.layers * self.layer_bytes_per_token
+
+    @property
+    def window_bytes_per_token(self) -> int:
+        return self.window_layers * self.layer_bytes_per_token
+
+    @property
+    def full_layout_bytes_per_token(self) -> int:
+        """Bytes per token if every attention layer kept every token."""
+        return (self.layers + self.window_layers) * self.layer_bytes_per_token
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.window_layers or self.state_layers)
 
     def bytes_per_request(self, tokens: int) -> int:
-        return self.bytes_per_token * tokens
+        window = min(tokens, self.window or 0)
+        return self.bytes_per_token * tokens + self.window_bytes_per_token * window + self.state_bytes
 
-    def tokens_in(self, nbytes: int) -> int:
-        """Tokens of KV that ``nbytes`` hold."""
-        return nbytes // self.bytes_per_token
+    def tokens_in(self, nbytes: int, context: Optional[int] = None) -> int:
+        """Tokens of KV that ``nbytes`` hold: for a hybrid model, in requests of
+        ``context`` tokens (default: the model's longest), each with its window and state."""
+        if not self.hybrid:
+            return nbytes // self.bytes_per_token
+        ctx = context or self.max_context or 1
+        return nbytes * ctx // max(1, self.bytes_per_request(ctx))
 
     def requests_in(self, nbytes: int, tokens: int) -> int:
         """Whole requests of ``tokens`` tokens that ``nbytes`` hold."""
@@ -79,9 +114,18 @@ class KVFootprint:
         else:
             shape = (f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} dims"
                      f" x 2 (K,V)")
-        return (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
+        text = (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
                 f"bytes ({self.dtype}) = {self.bytes_per_token:,} bytes "
                 f"({human_bytes(self.bytes_per_token)}) per token")
+        if self.window_layers:
+            text += (f"; plus {self.window_layers} sliding-window layers: "
+                     f"{human_bytes(self.window_bytes_per_token)} per token of their "
+                     f"{self.window:,}-token window")
+        if self.state_layers:
+            text += f"; plus {self.state_layers} Mamba/linear layers: {human_bytes(self.state_bytes)} of state"
+        if self.hybrid:
+            text += " per request"
+        return text
 
 
 def _first(cfg: Mapping[str, Any], *names: str) -> Any:
@@ -149,8 +193,10 @@ def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = N
             raise FootprintError("config has neither head_dim nor hidden_size")
         head_dim = int(hidden) // int(heads)
     kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    return KVFootprint(model_type, kind, int(layers), int(kv_heads), int(head_dim), 2, dtype,
-                       nbytes, max_context)
+    k = layer_kinds(cfg, int(layers))
+    return KVFootprint(model_type, kind, k.full, int(kv_heads), int(head_dim), 2, dtype,
+                       nbytes, max_context, k.window, k.window_tokens, k.state,
+                       k.state * k.state_values * nbytes)
 
 
 def load_hf_config(path: str | os.PathLike) -> dict:
@@ -174,7 +220,7 @@ def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
         "bytes_per_token": fp.bytes_per_token,
         "context_tokens": context,
         "bytes_per_request": fp.bytes_per_request(context),
-        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n),
+        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n, context),
                          "requests": fp.requests_in(n, context)}
                   for name, n in tiers.items()},
     }

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.admission import SharedAdmission
-from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, decode, encode_header, read_header
+from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
 from cache.policy import EvictionPolicy
 from cache.tiers.base import Buffer, Tier
 
@@ -109,6 +109,9 @@ class TieredStore:
         a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
         of its threads ("read", "write", "publish"; see ``cache.threads``)."""
         self.timer = timer
+        # ``on_event(key, event, tier)``: what happened to a chunk (stored, evicted,
+        # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
+        self.on_event: Optional[Callable[[str, str, str], None]] = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -234,6 +237,7 @@ class TieredStore:
             dropped = self._pending_bytes + nbytes > self._max_pending
             if dropped:
                 self.stats.dropped_writes += 1
+                self._note(key, "not_admitted", "all")
             else:
                 self._pending_bytes += nbytes
         if dropped:
@@ -280,6 +284,8 @@ class TieredStore:
         top = self._top_for(len(header) + memoryview(payload).nbytes)
         if top is not None and not any(t.contains(key) for t in local):
             self._store(top, key, parent, [header, payload])
+        elif top is None and local:
+            self._note(key, "not_admitted", local[-1].name)  # larger than every local tier
         with self._lock:
             admitted = self.admission.on_put(key)
         if shared or admitted or not local:
@@ -294,6 +300,7 @@ class TieredStore:
             return
         if not tier.available:  # down: skip without queueing
             self.stats.tiers[tier.name].unavailable += 1
+            self._note(key, "shared_unreachable", tier.name)
             return
         nbytes = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
@@ -306,6 +313,7 @@ class TieredStore:
             self._publish_bytes += nbytes
             self._publish_queue.append((key, parts, nbytes))
             start, self._draining = not self._draining, True
+        self._note(key, "publishing", tier.name)
         if start:
             self._submit(self._drain_publishes, executor=self._publisher)
 
@@ -331,12 +339,14 @@ class TieredStore:
         st = self.stats.tiers[tier.name]
         if not tier.reserve(nbytes):
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
             return
         try:
             published = tier.write(key, parts, nbytes)
         except Exception as e:
             self._failed(tier, "writing", key, e)
             return
+        self._note(key, "stored", tier.name)  # by this call or, first, by another node
         if published:
             st.writes += 1
             st.bytes_written += nbytes
@@ -345,13 +355,17 @@ class TieredStore:
         """Count a tier failure; log it (at most once a minute per tier). Connection
         trouble and deadlines are the shared tier's to report (once per outage)."""
         st = self.stats.tiers[tier.name]
+        reading = doing == "reading"
         if isinstance(e, ConnectionError):
             st.unavailable += 1
+            self._note(key, "shared_unreachable", tier.name)
             return
         st.errors += 1
         if isinstance(e, TimeoutError):
             st.timeouts += 1
+            self._note(key, "load_timeout" if reading else "shared_unreachable", tier.name)
             return
+        self._note(key, "damaged" if reading else "not_admitted", tier.name)
         self._warn(tier.name, "kvcache: %s %s in %s failed: %s", doing, key, tier.name, e)
 
     def _warn(self, tier_name: str, fmt: str, *args) -> None:
@@ -371,6 +385,7 @@ class TieredStore:
         """A local tier deletes a bad entry; the shared tier's is only ignored here."""
         tier = self.tiers[i]
         self._warn(tier.name, "kvcache: ignoring bad entry %s in %s: %s", key, tier.name, e)
+        self._note(key, "unsigned" if isinstance(e, UnsignedEntry) else "damaged", tier.name)
         if i >= self.n_local:
             tier.reject(key)
             return
@@ -399,11 +414,13 @@ class TieredStore:
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if tier.capacity is not None and nbytes > tier.capacity:
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
             return False
         with self._lock:
             admitted = policy.admit(key, parent, nbytes)
         if not admitted:
             st.rejected += 1
+            self._note(key, "not_admitted", tier.name)
             return False
         rescanned = False
         while not tier.reserve(nbytes, key):
@@ -414,6 +431,7 @@ class TieredStore:
             if victim is None:
                 if rescanned:   # still full of entries we cannot evict: skip this write
                     st.rejected += 1
+                    self._note(key, "not_admitted", tier.name)
                     return False
                 self._adopt(i)
                 rescanned = True
@@ -429,6 +447,7 @@ class TieredStore:
             st.bytes_written += nbytes
             with self._lock:
                 policy.insert(key, parent, nbytes)
+            self._note(key, "stored", tier.name)
         return published
 
     def _evict(self, i: int, victim: str) -> None:
@@ -448,6 +467,7 @@ class TieredStore:
                 raw = None
         tier.delete(victim)
         self.stats.tiers[tier.name].evictions += 1
+        self._note(victim, "evicted", tier.name)  # (a demotion below then notes "stored")
         if raw is None:
             return
         try:  # a shared entry is verified in full: other nodes will trust its checksum
@@ -460,6 +480,10 @@ class TieredStore:
             self.stats.tiers[tier.name].demotions += 1
         elif self._store(i + 1, victim, info.parent, [raw]):
             self.stats.tiers[tier.name].demotions += 1
+
+    def _note(self, key: str, event: str, tier: str) -> None:
+        if self.on_event is not None:
+            self.on_event(key, event, tier)
 
     def _forget(self, i: int, key: str) -> None:
         if self.policies is not None:

@@ -42,7 +42,8 @@ def build_metrics(config: ServingConfig) -> ServingMetrics:
     # The tiers the connector enables, fastest first (their names label the metrics).
     order = tuple(t.name for t in config.plan.cache.tiers()) if config.plan is not None else ()
     fp = config.footprint
-    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create())
+    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create(),
+                          fp.bytes_per_request if fp else None)
 
 
 def load_standards(http: HttpSettings):

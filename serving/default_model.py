@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -65,37 +66,46 @@ def build_tokenizer(out: Path) -> int:
 def ensure_model(path: str | os.PathLike, shape: ModelShape = ModelShape()) -> Path:
     """Generate the model at ``path`` unless an identical one is already there.
 
+    Safe to call from several processes (see ``ensure_generated``).
+    """
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        vocab_size = build_tokenizer(tmp)
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            max_position_embeddings=shape.max_positions,
+            bos_token_id=vocab_size - 2,
+            eos_token_id=vocab_size - 1,
+            torch_dtype="bfloat16",
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(shape.seed)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+
+    return ensure_generated(path, {"generator": "serving.default_model", **asdict(shape)}, build)
+
+
+def ensure_generated(path: str | os.PathLike, wanted: dict, build: Callable[[Path], None]) -> Path:
+    """Run ``build(folder)`` to generate a model at ``path`` unless the one there was
+    generated from the same ``wanted`` description (kept in ``generated_by.json``).
+
     Safe to call from several processes: the model is built in a temporary folder
     and renamed into place.
     """
     out = Path(path)
     marker = out / "generated_by.json"
-    wanted = {"generator": "serving.default_model", **asdict(shape)}
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return out
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab_size = build_tokenizer(tmp)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_positions,
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(shape.seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(tmp)
+    build(tmp)
     (tmp / "generated_by.json").write_text(json.dumps(wanted))
     if out.exists():
         import shutil

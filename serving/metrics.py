@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -120,9 +120,12 @@ class ServingMetrics:
     """
 
     def __init__(self, kv_bytes_per_token: Optional[int], tier_order: tuple[str, ...] = (),
-                 energy: Optional[NvmlEnergy] = None) -> None:
+                 energy: Optional[NvmlEnergy] = None,
+                 kv_bytes_of: Optional[Callable[[int], int]] = None) -> None:
         self.registry = CollectorRegistry()
         self.kv_bytes_per_token = kv_bytes_per_token
+        # KV bytes of a request of n tokens (hybrid models: windows and state count once)
+        self.kv_bytes_of = kv_bytes_of or (lambda n: n * (kv_bytes_per_token or 0))
         self.tier_order = tier_order
         self.energy = energy
         self.generated_total = 0          # for energy per token (vLLM counts them on its registry)
@@ -152,8 +155,7 @@ class ServingMetrics:
         if outcome.ttft_s is not None:
             self.ttft.labels(slowest).observe(outcome.ttft_s)
         if self.kv_bytes_per_token:
-            self.request_kv_bytes.observe(
-                (outcome.prompt_tokens + outcome.generated_tokens) * self.kv_bytes_per_token)
+            self.request_kv_bytes.observe(self.kv_bytes_of(outcome.prompt_tokens + outcome.generated_tokens))
 
 
 def outcome_from_output(out, generated: int, ttft_s: Optional[float]) -> RequestOutcome:

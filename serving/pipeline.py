@@ -11,7 +11,8 @@ and the ``/v1/...`` routes alike:
    ``SERVING_MAX_N``;
 3. vLLM's serving layer runs it. A non-streamed request is awaited while watching for
    the client leaving (vLLM aborts it), ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (504) and the
-   drain deadline (503). A streamed request is validated before its 200: its first
+   drain deadline (503). A non-streamed answer carries the opt-in ``X-Kvcache-Explain``
+   header (``serving.explain``). A streamed request is validated before its 200: its first
    event is awaited first, and an error there is answered as a JSON error with its
    status instead of a 200 whose stream holds the error. A stream still running at the
    drain deadline ends with an error event (503) after the tokens already sent.
@@ -30,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.errors import ClientError, error_body, error_response, response_for
+from serving.explain import explain_headers
 from serving.tgi import TgiRequest, TgiStream, completion_to_tgi, parse_tgi, sse, tgi_to_completion
 
 log = logging.getLogger(__name__)
@@ -198,7 +200,8 @@ async def _respond(request: Request, result: Any, tgi: Optional[TgiRequest]) -> 
         return result
     if hasattr(result, "model_dump"):
         data = result.model_dump()
-        return JSONResponse(completion_to_tgi(data, tgi) if tgi else data)
+        return JSONResponse(completion_to_tgi(data, tgi) if tgi else data,
+                            headers=explain_headers(request.headers, data))
     return await _stream(request, result, tgi)
 
 

@@ -41,7 +41,7 @@ class TierPlan:
     def tokens(self, nbytes: Optional[int]) -> Optional[int]:
         if nbytes is None or self.footprint is None:
             return None
-        return self.footprint.tokens_in(nbytes)
+        return self.footprint.tokens_in(nbytes, self.context_tokens)  # hybrids: windows, state per request
 
     def format(self, model: str) -> str:
         """The plan as one readable block, for the start-up log."""
@@ -98,7 +98,11 @@ def plan_tiers(
         log.warning("kvcache: %s", note)
     where = (f"GPU HBM ({len(machine.gpus)} x {human_bytes(machine.gpus[0].total_bytes)})"
              if machine.has_gpu else "CPU (VLLM_CPU_KVCACHE_SPACE)")
-    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, cache.notes)
+    notes = cache.notes
+    if footprint is not None and footprint.state_layers:  # cache.vllm.groups decides at start-up
+        notes += ("Mamba / linear-attention layers: the tiered cache turns itself off for this "
+                  "model (vLLM serves it without; see the connector's start-up line)",)
+    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, notes)
 
 
 def weights_bytes(model_dir: Optional[str]) -> Optional[int]:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -36,15 +37,18 @@ def start_engine(spec: dict) -> subprocess.Popen:
                             cwd=REPO)
 
 
-def finish_engine(proc: subprocess.Popen, timeout: float = 600) -> list[dict]:
+def finish_engine(proc: subprocess.Popen, timeout: float = 600, log: Optional[list] = None) -> list[dict]:
+    """The engine's results; its stderr is appended to ``log`` when given."""
     out, err = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"engine failed ({proc.returncode}):\n{err[-4000:]}")
+    if log is not None:
+        log.append(err)
     return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
-def run_engine(spec: dict, timeout: float = 600) -> list[dict]:
-    return finish_engine(start_engine(spec), timeout)
+def run_engine(spec: dict, timeout: float = 600, log: Optional[list] = None) -> list[dict]:
+    return finish_engine(start_engine(spec), timeout, log)
 
 
 # -- comparing logprobs across computations ------------------------------------------------

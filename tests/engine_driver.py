@@ -8,10 +8,14 @@ The connector reads its configuration as under a plain ``vllm serve``: each engi
 builds it from its own ``KVCACHE_*`` environment (``spec["cache"]``, set here before vLLM
 starts its processes).
 
-Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool,
-       "steps": [{"prompt_token_ids": [...], "cache_salt": optional} | {"reset_prefix_cache": true} |
-                 {"corrupt": [FOLDER, ...]} | {"sleep": S} | {"touch": PATH} |
-                 {"wait_for": PATH}]}
+Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
+       "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
+                 {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
+                 {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
+                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX}]}
+
+``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
+off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,46 @@ def corrupt_entries(folder: str) -> int:
     return n
 
 
+def entry_files(folder: str):
+    """``(namespace folder name, key, path)`` of every entry file under a tier folder."""
+    from cache.tiers.layout import is_key
+
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if is_key(name):
+                yield os.path.basename(os.path.dirname(root)), name, os.path.join(root, name)
+
+
+def unsign_entries(folder: str) -> int:
+    """Rewrite every entry under ``folder`` as a valid but unsigned entry."""
+    from cache.codec import HEADER_SIZE, encode_header, read_header
+
+    n = 0
+    for ns, key, path in entry_files(folder):
+        raw = open(path, "rb").read()
+        info = read_header(raw, bytes.fromhex(ns), key)
+        payload = raw[HEADER_SIZE:]
+        with open(path, "wb") as f:
+            f.write(encode_header(bytes.fromhex(ns), key, info.dtype, info.shape, payload, b"", info.parent))
+            f.write(payload)
+        n += 1
+    return n
+
+
+def break_entries(folder: str, keep: str) -> int:
+    """Copy ``folder`` to ``keep``, then turn each entry into a folder of its name: the
+    tier still says the entries exist, and every read of one fails."""
+    import shutil
+
+    shutil.copytree(folder, keep)
+    n = 0
+    for _ns, _key, path in list(entry_files(folder)):
+        os.unlink(path)
+        os.mkdir(path)
+        n += 1
+    return n
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.update(spec["cache"])  # inherited by the engine's processes
@@ -52,13 +96,27 @@ def main() -> None:
                                 kv_role="kv_both")
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
               enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
-              seed=0)
+              seed=0, disable_log_stats=not spec.get("log_stats", False))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         elif "corrupt" in step:
             print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
+        elif step.get("engine"):
+            sched = llm.llm_engine.vllm_config.scheduler_config
+            print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}),
+                  flush=True)
+        elif "metrics" in step:
+            from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
+
+            found = {s.name: s.value for m in REGISTRY.collect() if m.name.startswith(step["metrics"])
+                     for s in m.samples}
+            print("RESULT " + json.dumps({"metrics": found}), flush=True)
+        elif "unsign" in step:
+            print("RESULT " + json.dumps({"unsigned": sum(unsign_entries(f) for f in step["unsign"])}), flush=True)
+        elif "break" in step:
+            print("RESULT " + json.dumps({"broken": break_entries(step["break"], step["keep"])}), flush=True)
         elif "sleep" in step:  # let write-behind land before another process looks
             time.sleep(step["sleep"])
         elif "touch" in step:
@@ -74,7 +132,11 @@ def main() -> None:
             prompt = {"prompt_token_ids": step["prompt_token_ids"]}
             if step.get("cache_salt"):
                 prompt["cache_salt"] = step["cache_salt"]
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            sampling = params
+            if step.get("kv_transfer_params"):
+                sampling = params.clone()
+                sampling.extra_args = {"kv_transfer_params": step["kv_transfer_params"]}
+            out = llm.generate(prompt, sampling, use_tqdm=False)[0]
             comp = out.outputs[0]
             print("RESULT " + json.dumps({
                 "seconds": time.perf_counter() - t0,
@@ -82,6 +144,7 @@ def main() -> None:
                 "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in comp.logprobs],
                 "num_cached_tokens": out.num_cached_tokens,
                 "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
+                "explain": (out.kv_transfer_params or {}).get("kvcache_explain", []),
             }), flush=True)
 
 

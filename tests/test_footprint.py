@@ -121,3 +121,51 @@ def test_cli_errors_are_messages(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
     assert main([str(tmp_path), "--cpu-size", "lots"]) == 2  # the old flag name still works
     assert "is not a size" in capsys.readouterr().err
+
+
+# -- hybrid models: windows and states count once per request -------------------------------
+GEMMA3_27B = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
+              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024,
+              "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "max_position_embeddings": 131072}
+GPT_OSS_120B = {"model_type": "gpt_oss", "num_hidden_layers": 36, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2880, "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18, "torch_dtype": "bfloat16"}
+QWEN3_NEXT = {"model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048, "full_attention_interval": 4,
+              "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16"}
+NEMOTRON_H = {"model_type": "nemotron_h", "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 512, "hybrid_override_pattern": "M-M*-M-",
+              "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 32,
+              "conv_kernel": 4, "expand": 2, "torch_dtype": "bfloat16"}
+
+
+def test_sliding_window_layers_count_only_their_window():
+    fp = footprint_from_config(GEMMA3_27B)
+    assert (fp.layers, fp.window_layers, fp.window) == (10, 52, 1024)
+    assert fp.bytes_per_token == 10 * 16 * 128 * 2 * 2
+    assert fp.full_layout_bytes_per_token == 62 * 16 * 128 * 2 * 2
+    assert fp.bytes_per_request(131_072) == 81_920 * 131_072 + 52 * 8_192 * 1024
+    assert fp.bytes_per_request(500) == 81_920 * 500 + 52 * 8_192 * 500
+    assert fp.tokens_in(fp.bytes_per_request(4096) * 3, 4096) == 3 * 4096
+    assert "52 sliding-window layers" in fp.describe()
+    oss = footprint_from_config(GPT_OSS_120B)
+    assert (oss.layers, oss.window_layers, oss.window) == (18, 18, 128)
+
+
+def test_mamba_and_linear_attention_layers_count_a_state_per_request():
+    qwen = footprint_from_config(QWEN3_NEXT)
+    assert (qwen.layers, qwen.state_layers) == (12, 36)
+    per_layer = 3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128
+    assert qwen.state_bytes == 36 * per_layer * 2
+    assert qwen.bytes_per_request(1000) == qwen.bytes_per_token * 1000 + qwen.state_bytes
+    nemo = footprint_from_config(NEMOTRON_H)
+    assert (nemo.layers, nemo.state_layers) == (1, 3)
+    d_inner = 2 * 512
+    assert nemo.state_bytes == 3 * (3 * (d_inner + 2 * 2 * 32) + 16 * 64 * 32) * 2
+    jamba = footprint_from_config({"model_type": "jamba", "num_hidden_layers": 8, "num_attention_heads": 8,
+                                   "num_key_value_heads": 2, "hidden_size": 512, "attn_layer_period": 8,
+                                   "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4,
+                                   "mamba_expand": 2})
+    assert (jamba.layers, jamba.state_layers) == (1, 7)
+    assert jamba.state_bytes == 7 * (3 * 1024 + 1024 * 16) * 2

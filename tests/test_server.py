@@ -193,7 +193,8 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
         "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
         "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
         "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-        "KVCACHE_DRAM_SIZE": "256MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
+        # 31 chunks of the test model in DRAM: the module's traffic evicts, demotes, promotes
+        "KVCACHE_DRAM_SIZE": "16MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
         "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
         "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
         "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
@@ -509,6 +510,76 @@ def test_repeated_long_prompt_is_served_from_our_tiers(server):
 
 
 @engine
+def test_explain_header_on_request_and_misses_by_cause(server):
+    """The opt-in header (asked directly, or through SageMaker's custom attributes, the one
+    header SageMaker's runtime forwards both ways), and ``kvcache:misses_total`` counting
+    the computed tokens by cause, through vLLM's connector stats."""
+    prompt = "".join(chr(97 + (i * 17) % 26) for i in range(1300))
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+    miss = re.compile(r'^kvcache:misses_total{[^}]*cause="never_stored"[^}]*} (\S+)$', re.M)
+    before = sum(float(v) for v in miss.findall(server.client.get("/metrics").text))
+    cold = server.post(body, headers={"X-Kvcache-Explain": "true"})
+    assert cold.status_code == 200, cold.text
+    assert re.fullmatch(r"never_stored:0-13\d\d", cold.headers["X-Kvcache-Explain"])
+    time.sleep(1.0)  # the write-behind stores the chunks
+    hit = server.post(body, headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=7; kvcache-explain=true"})
+    assert re.fullmatch(r"dram:0-13\d\d", hit.headers["X-Kvcache-Explain"])
+    assert hit.headers["X-Amzn-SageMaker-Custom-Attributes"] == "kvcache-explain=" + hit.headers["X-Kvcache-Explain"]
+    assert "X-Kvcache-Explain" not in server.post(body).headers  # not asked: not sent
+    tokens = int(cold.headers["X-Kvcache-Explain"].rsplit("-", 1)[1])
+    deadline = time.monotonic() + 10
+    while sum(float(v) for v in miss.findall(server.client.get("/metrics").text)) - before < tokens:
+        assert time.monotonic() < deadline, "kvcache:misses_total did not count the cold request"
+        time.sleep(0.5)
+
+
+@engine
+def test_inspect_repair_while_the_server_uses_the_folders(server):
+    """``cache.tools.inspect`` on the running server's tiers: ``--verify`` finds planted
+    damage (a flipped payload bit, a crashed writer's file, a skewed byte account),
+    ``--repair`` removes it under the folders' lock, and the server keeps using them."""
+    from cache.codec import HEADER_SIZE
+    from cache.tiers.layout import USAGE, folder_usage, temp_path
+
+    prompt = "".join(chr(97 + (i * 19) % 26) for i in range(1300))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    server.post(body)
+    time.sleep(1.0)  # the write-behind stores the chunks
+    dram = server.tiers / "dram"
+    newest = max((p for p in dram.rglob("*") if p.is_file() and len(p.name) == 32), key=lambda p: p.stat().st_mtime)
+    raw = bytearray(newest.read_bytes())
+    raw[HEADER_SIZE + 11] ^= 0xFF
+    newest.write_bytes(raw)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    crashed = temp_path(str(newest), 4096).replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    Path(crashed).write_bytes(b"half")
+    with open(dram / ".usage", "r+b") as f:
+        f.write(USAGE.pack(folder_usage(dram) + 12345))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "16MiB",
+                "KVCACHE_DISK_PATH": str(server.tiers / "disk"), "KVCACHE_DISK_SIZE": "1GiB",
+                "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
+
+    def inspect(*args):
+        return subprocess.run([sys.executable, "-m", "cache.tools.inspect", *args], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    found = inspect("--verify")
+    assert found.returncode == 1 and f"damaged   {newest}: payload checksum mismatch" in found.stdout, found
+    assert f"orphan    {crashed}" in found.stdout and "MISMATCH" in found.stdout
+    fixed = inspect("--repair")
+    assert fixed.returncode == 0 and not newest.exists() and not os.path.exists(crashed), fixed.stdout
+    again = server.post(body).json()  # the chunks left load; the removed one is computed again
+    loaded = again["kv_transfer_params"]["kvcache_loaded_tokens"]
+    assert loaded.get("dram", 0) >= 1024, again["kv_transfer_params"]
+    time.sleep(1.0)
+    assert server.post(body).json()["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1299
+    clean = inspect("--verify")
+    assert clean.returncode == 0 and "MISMATCH" not in clean.stdout, clean.stdout
+
+
+@engine
 def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_path, model_path):
     """Two servers, each with its own DRAM and disk tiers, one shared L3 folder: a prompt
     used twice on the first (so it is published) loads from L3 on the second, with the
@@ -535,13 +606,14 @@ def test_metrics(server):
     text = server.client.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source",
                  "kvcache:tier_hits_total", "kvcache:tier_tokens_loaded_total", "kvcache:tier_used_bytes",
+                 "kvcache:misses_total",
                  "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
                  "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
                  "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
     assert server.tier_metric("used_bytes", "dram", wait_for=1) > 0
-    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 256 * 2**20
+    assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 16 * 2**20
     assert server.tier_metric("bytes_written", "dram", wait_for=1) > 0
     assert server.tier_metric("bytes_read", "dram", wait_for=1) > 0
     assert server.tier_metric("load_seconds", "dram", wait_for=1e-9) > 0
@@ -593,7 +665,7 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
     """deploy/sagemaker_endpoint.py's ``invoke`` with the real sagemaker-runtime client."""
     import boto3
 
-    from tests.test_deploy import dep
+    from tests.test_deploy import cli
 
     for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
         monkeypatch.setenv(k, v)
@@ -602,9 +674,9 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         rt = boto3.client("sagemaker-runtime", region_name="us-east-1", endpoint_url=proxy.url)
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
         # NEW_SESSION: the helper opens a session, sends the body in it, returns the new id
-        answer, sid = dep.invoke(rt, "kv", body, session_id="NEW_SESSION")
+        answer, sid = cli.invoke(rt, "kv", body, session_id="NEW_SESSION")
         assert isinstance(answer["generated_text"], str) and sid not in (None, "NEW_SESSION")
-        answer, again = dep.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        answer, again = cli.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                                    session_id=sid)
         assert again == sid and answer["object"] == "chat.completion"
         # an ordinary request with SessionId=NEW_SESSION sent by hand is served, opening
@@ -612,10 +684,53 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         plain = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
                                    Body=json.dumps(body), SessionId="NEW_SESSION")
         assert "NewSessionId" not in plain and "generated_text" in json.loads(plain["Body"].read())
-        _, closed = dep.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
+        _, closed = cli.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
         assert closed is None
     finally:
         proxy.close()
+
+
+# Dashboard series that answer only once their event happened (a failure, a read from L3,
+# which only another server of this module makes) or on a GPU host (NVML).
+EVENT_ONLY = {"kvcache:tier_timeouts_total", "kvcache:tier_unavailable_total", "kvcache:tier_errors_total",
+              "kvcache:tier_corrupt_total", "kvcache:tier_dropped_writes_total",
+              "kvcache:tier_dropped_publishes_total", "kvcache_gpu_energy_joules_total",
+              "kvcache_energy_per_generated_token_joules"}
+
+
+@engine
+def test_dashboard_names_exported_series_and_its_queries_answer(server):
+    """deploy/grafana/kvcache.json against this server: every series a query names is on
+    its /metrics (the GPU energy ones are declared in serving/metrics.py instead), and a
+    real Prometheus scraping it answers every query after some traffic."""
+    from bench.dashboard import Prometheus, answers, exported_names, metric_names, queries, traffic
+
+    exported = exported_names(server.client.get("/metrics").text)
+    source = (REPO / "serving" / "metrics.py").read_text()
+    for title, _legend, expr in queries():
+        for name in metric_names(expr):
+            assert name in exported or (name in EVENT_ONLY and f'"{name.removesuffix("_total")}"' in source), \
+                (title, name)
+    try:
+        prom = Prometheus(server.url.split("://", 1)[1])
+    except FileNotFoundError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("prometheus is not installed (apt-get install prometheus; .ci/run installs it)")
+    with prom:
+        traffic(server.url, prompts=2)
+        server.post({"prompt": LONG_PROMPT, "max_tokens": 1})  # long evicted from DRAM: a disk hit, promoted
+        deadline = time.monotonic() + 60
+        while prom.scrapes() < 8:
+            assert time.monotonic() < deadline, "prometheus does not scrape the server"
+            time.sleep(1)
+        empty = []
+        for title, legend, expr, result in answers(prom, "1m"):
+            if not result:
+                empty.append((title, legend, expr))
+    silent = [e for e in empty if not (metric_names(e[2]) & EVENT_ONLY or 'tier="shared"}' in e[2]
+                                       and "tier_hits_total" in e[2])]
+    assert not silent, silent
 
 
 @engine

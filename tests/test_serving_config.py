@@ -542,3 +542,19 @@ def test_print_config_says_which_variable_set_what(env):
                  "KVCACHE_SIGNING_KEY=***"):
         assert line in text, line
     assert "s3cret" not in text
+
+
+def test_plan_counts_a_hybrid_models_windows_and_state_once_per_request(env, model_dir):
+    gemma3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
+              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024,
+              "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "max_position_embeddings": 131072}
+    (model_dir / "config.json").write_text(json.dumps(gemma3))
+    sized = {**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_DRAM_SIZE": "4GiB", "KVCACHE_DISK_SIZE": "2GiB"}
+    text = build_serving_config(sized, CPU_BOX).describe()
+    # 10 full layers x 80 KiB per token + 52 sliding layers x 8 KiB x their 1,024-token window
+    per_request = 81_920 * 8192 + 52 * 8192 * 1024
+    assert f"~{4 * GiB * 8192 // per_request:,} tokens = {4 * GiB // per_request} full-length requests" in text
+    assert "52 sliding-window layers" in text
+    granite = dict(LLAMA3_8B, model_type="granitemoehybrid", layer_types=["linear_attention", "full_attention"] * 16)
+    (model_dir / "config.json").write_text(json.dumps(granite))
+    assert "the tiered cache turns itself off" in build_serving_config(sized, CPU_BOX).describe()

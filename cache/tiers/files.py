@@ -229,15 +229,34 @@ class FileTier(Tier):
             if ours:
                 entries.append((f.name, st.st_size))
             return st.st_size
-        host, pid, reserved = parse_temp(f.name) or ("", -1, st.st_size)
-        dead = host == this_host() and pid > 0 and not _alive(pid)
-        if dead or time.time() - st.st_mtime > _STALE_TMP_SECONDS:
+        if is_debris(f.name, st.st_mtime):
             try:
                 os.unlink(f.path)
             except FileNotFoundError:
                 pass
             return 0
-        return reserved
+        return (parse_temp(f.name) or ("", -1, st.st_size))[2]
+
+    def discard(self, path: str, inode: int) -> bool:
+        """Remove the file at ``path`` (a damaged entry, an orphan) if it is still the one
+        seen (``inode``), under the folder lock like every change ``scan`` counts; the
+        next ``scan`` recounts the usage. For repair tools; True if removed."""
+        with self._locked_usage():
+            try:
+                if os.stat(path).st_ino != inode:
+                    return False
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+        return True
+
+
+def is_debris(name: str, mtime: float) -> bool:
+    """Whether a temporary file is a crashed writer's: its process is gone (this host),
+    or it is older than any write takes."""
+    host, pid, _claimed = parse_temp(name) or ("", -1, 0)
+    dead = host == this_host() and pid > 0 and not _alive(pid)
+    return dead or time.time() - mtime > _STALE_TMP_SECONDS
 
 
 def read_into(fd: int, view: memoryview) -> int:

@@ -49,6 +49,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(fp.describe())
     print(f"one {context:,}-token request: {out['bytes_per_request']:,} bytes "
           f"({human_bytes(out['bytes_per_request'])})")
+    if fp.hybrid:
+        print(f"without the hybrid KV cache manager: {fp.full_layout_bytes_per_token:,} bytes per token")
     for name, t in out["tiers"].items():
         print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = "
               f"{t['requests']:,} such requests")

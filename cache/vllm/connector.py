@@ -14,6 +14,12 @@ Configuration: the one serialized value the server resolved (``kvcache_config`` 
 Under plain ``vllm serve`` without it, each process builds the configuration from its
 ``KVCACHE_*`` environment (``cache.config.build_cache_config``). Either way a bad setting
 stops start-up with one ``ConfigError`` message naming the variable.
+
+Hybrid models: the connector implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid
+KV cache manager on (sliding-window layers hold only their window); what is stored per KV
+cache group is in ``cache.vllm.groups``. A model whose groups the cache cannot serve
+(Mamba / linear attention ...) runs without the cache (``cache.vllm.off``): one log line
+says so, never a refusal.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
+from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace
+from cache.vllm.off import CacheOff
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("cache.vllm.connector")
 
 
-class TieredKVConnector(KVConnectorBase_V1):
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -58,6 +68,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
+        # Which KV cache groups are stored how (groups.py), the same in every process.
+        layout = group_layout(kv_cache_config, block_size)
+        if layout.off_reason:
+            self.scheduler_side = self.worker_side = CacheOff(config)
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
+                            "cache", vllm_config.model_config.model, layout.off_reason)
+            return
         if role == KVConnectorRole.SCHEDULER:
             from cache.vllm.scheduler import SchedulerSide
 
@@ -67,11 +85,14 @@ class TieredKVConnector(KVConnectorBase_V1):
             namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
                           for r in range(world)]
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
-                                                lambda: self._kv_cache_manager)
+                                                lambda: self._kv_cache_manager, layout,
+                                                vllm_config.cache_config.prefix_cache_retention_interval)
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
                      f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
+            if layout.hybrid:
+                log.info("kvcache: hybrid KV cache groups: %s", layout.describe())
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -80,7 +101,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             # This worker's parallel rank: tensor-parallel rank within its pipeline stage.
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
-            self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size)
+            self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -116,6 +137,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         done = self.worker_side.get_finished()
         return None, (done or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Hybrid models' load failures are per request (vLLM recomputes those requests).
+        failed = self.worker_side.take_failed_requests()
+        done = self.worker_side.get_finished() | failed
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
 
@@ -123,7 +150,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         return self.worker_side.take_settled()
 
     def get_kv_connector_stats(self):
-        return self.worker_side.get_stats() if self.worker_side is not None else None
+        side = self.worker_side if self.worker_side is not None else self.scheduler_side
+        return side.get_stats() if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None):
@@ -154,11 +182,23 @@ class TieredKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
+        if getattr(connector_output, "failed_recving", None):
+            self.scheduler_side.requests_failed(set(connector_output.failed_recving))
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.scheduler_side.explain.worker_events(worker_meta.events)
             self.scheduler_side.saves_settled(worker_meta.settled)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        why = self.scheduler_side.explain_finished(request)
         loaded = self.scheduler_side.request_finished(request)
-        # Shown in the request's output (kv_transfer_params): tokens loaded per tier.
-        return False, ({"kvcache_loaded_tokens": loaded} if loaded else None)
+        # Shown in the request's output (kv_transfer_params): tokens loaded per tier, and
+        # where each prompt token's KV came from or why it was computed.
+        params = {"kvcache_explain": why} if why else {}
+        if loaded:
+            params["kvcache_loaded_tokens"] = loaded
+        return False, (params or None)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])

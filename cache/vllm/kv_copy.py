@@ -9,6 +9,12 @@ is 0 (CPU backend ``[blocks, 2, ...]``, MLA ``[blocks, block_size, dim]``) or 1 
 attention ``[2, blocks, ...]``). An entry holds every layer for a run of blocks:
 ``[layers, *layer_shape with blocks=n]``, contiguous, in the model's KV dtype.
 
+Hybrid models (``cache.vllm.groups``): a copier may span several KV cache groups,
+each with its own block table. It is then built with ``layer_groups`` (each layer's
+group) and given the blocks of every group back to back, ``n`` per group; layer *i*
+uses the run of its group. Layers of different groups may share one tensor (vLLM's
+hybrid allocator): their blocks never overlap.
+
 On CUDA the host side is pinned memory and copies run on the copier's own stream,
 ordered after the compute stream's work on the same blocks. Nothing is reused before
 the copy that reads or writes it has completed (a missing sync here garbled restored KV
@@ -79,22 +85,30 @@ def _done() -> None:
 class BlockCopier:
     """Moves whole blocks between the KV cache and host tensors."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout,
+                 layer_groups: Optional[Sequence[int]] = None) -> None:
         self.layout = layout
         self.caches = [kv_caches[n] for n in layout.layer_names]
+        # each layer's run in a call's block ids (one run for all layers by default)
+        self.layer_groups = tuple(layer_groups) if layer_groups is not None else (0,) * len(self.caches)
+        self.n_groups = max(self.layer_groups, default=0) + 1
         self.device = self.caches[0].device
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._lock = threading.Lock()  # one copy at a time on the stream
         self._last: Optional["torch.cuda.Event"] = None  # end of the last gather not yet fenced
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        if not self.cuda:
-            return ids
-        # From pinned memory, asynchronously: a copy from pageable memory would make this
-        # thread wait for everything already queued on the current stream.
-        return ids.pin_memory().to(self.device, non_blocking=True)
+    def _index(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Each layer's index tensor: the run of ``block_ids`` of its group."""
+        n, odd = divmod(len(block_ids), self.n_groups)
+        if odd:
+            raise ValueError(f"{len(block_ids)} block ids do not split into {self.n_groups} groups")
+        ids = torch.tensor(block_ids, dtype=torch.long).view(self.n_groups, n)
+        if self.cuda:
+            # From pinned memory, asynchronously: a copy from pageable memory would make this
+            # thread wait for everything already queued on the current stream.
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        return [ids[g] for g in self.layer_groups]
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new host tensor holding ``block_ids`` of every layer. Returns once copied."""
@@ -107,13 +121,13 @@ class BlockCopier:
         and ``wait()``, which returns once the tensor holds them. On the CPU the copy is
         done when this returns. On CUDA, call ``fence`` before the compute stream may
         write these blocks again (the next forward pass)."""
-        shape = self.layout.entry_shape(len(block_ids))
+        shape = self.layout.entry_shape(len(block_ids) // self.n_groups)
         bd = self.layout.block_dim
         if not self.cuda:
             out = torch.empty(shape, dtype=self.layout.dtype)
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
-                torch.index_select(cache, bd, idx, out=out[i])
+                torch.index_select(cache, bd, idx[i], out=out[i])
             return out, _done
         host = torch.empty(shape, dtype=self.layout.dtype, pin_memory=True)
         with self._lock, torch.cuda.stream(self._stream):
@@ -122,7 +136,7 @@ class BlockCopier:
             idx = self._index(block_ids)
             staging = torch.empty(shape, dtype=self.layout.dtype, device=self.device)
             for i, cache in enumerate(self.caches):
-                torch.index_select(cache, bd, idx, out=staging[i])
+                torch.index_select(cache, bd, idx[i], out=staging[i])
             host.copy_(staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
@@ -155,7 +169,7 @@ class BlockCopier:
         queued on the calling thread's stream, or after ``after`` (a ``compute_mark``
         taken on the compute thread) when given."""
         bd = self.layout.block_dim
-        n = len(block_ids)
+        n = len(block_ids) // self.n_groups
         if n == 0:
             return
         held = src.shape[bd + 1] if src.ndim > bd + 1 else 0
@@ -165,7 +179,7 @@ class BlockCopier:
         if not self.cuda:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
-                cache.index_copy_(bd, idx, part[i])
+                cache.index_copy_(bd, idx[i], part[i])
             return
         with self._lock, torch.cuda.stream(self._stream):
             if after is not None:
@@ -176,7 +190,7 @@ class BlockCopier:
             staging = pinned.to(self.device, non_blocking=True)
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
-                cache.index_copy_(bd, idx, staging[i])
+                cache.index_copy_(bd, idx[i], staging[i])
             done = torch.cuda.Event()
             done.record(self._stream)
         # Blocks written and the host buffer free again before we return.

@@ -29,6 +29,10 @@ class ChunkIO:
     parent: Optional[str]
     block_ids: list[int]
     skip_blocks: int = 0
+    # Hybrid models (cache.vllm.groups): which entry kind, and the blocks of each of
+    # its KV cache groups back to back in ``block_ids`` (the same count per group).
+    kind: int = 0
+    tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class LoadRequest:
     req_id: str
     chunks: list[ChunkIO]
     asynchronous: bool     # True: load on a worker thread, report through get_finished
+    hit_end: int = 0       # tokens computed once loaded
 
 
 @dataclass
@@ -50,10 +55,13 @@ class TieredKVMetadata(KVConnectorMetadata):
 class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Keys of the saves a worker settled since its last step (stored, refused or
     dropped): the scheduler stops holding back requests that wait for them. One entry
-    per rank after ``aggregate``, so a key settled on every rank appears world-size times."""
+    per rank after ``aggregate``, so a key settled on every rank appears world-size times.
+    ``events``: what happened to chunks meanwhile, ``(key, event, tier)`` in order
+    (``cache.explain``)."""
 
     settled: list[str] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
         assert isinstance(other, TieredKVWorkerMetadata)
-        return TieredKVWorkerMetadata(self.settled + other.settled)
+        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events)

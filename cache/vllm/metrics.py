@@ -8,7 +8,11 @@ bytes, load time, usage, and prefix tokens served from each tier.
 
 Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
 up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
-their tiers' folders).
+their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
+the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
+with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
+prompt tokens computed since its last report, by the reason they were not loaded
+(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-LEVELS = ("used_bytes", "capacity_bytes")
+LEVELS = ("used_bytes", "capacity_bytes", "enabled")
 
 COUNTERS = {
     "hits": "Chunk reads served by the tier",
@@ -59,7 +63,9 @@ class TieredKVStats(KVConnectorStats):
         return dict(self.data)
 
     def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
+        # levels alone ride along with counters, except the cache-off report
+        return "all.enabled" not in self.data and not any(
+            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
 
 
 class StatsDelta:
@@ -88,18 +94,33 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=f"kvcache:tier_{field}", documentation=doc, labelnames=names)
             for field, doc in COUNTERS.items()
         }
+        self._misses = self._counter_cls(
+            name="kvcache:misses", labelnames=labelnames + ["tier", "cause"],
+            documentation="Prompt tokens whose KV was computed, by why it was not loaded "
+                          "(cause) and the tier concerned (none: no one tier)")
         self._gauges = {
             "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
                                           labelnames=names),
             "capacity_bytes": self._gauge_cls(name="kvcache:tier_capacity_bytes",
                                               documentation="Byte bound of the tier", labelnames=names),
         }
+        self._enabled = self._gauge_cls(
+            name="kvcache:enabled", labelnames=labelnames,
+            documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
+                          "without the cache (the connector's start-up log line says why)")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
+            if key.startswith("miss:"):
+                _, cause, tier = key.split(":", 2)
+                if value > 0:
+                    self._misses.labels(*labels, tier, cause).inc(value)
+                continue
             tier, _, field = key.rpartition(".")
-            if field in self._gauges:
+            if field == "enabled":
+                self._enabled.labels(*labels).set(value)
+            elif field in self._gauges:
                 self._gauges[field].labels(*labels, tier).set(value)
             elif field in self._counters and value > 0:
                 self._counters[field].labels(*labels, tier).inc(value)

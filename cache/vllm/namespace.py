@@ -17,11 +17,10 @@ def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int)
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"TieredKVConnector supports models with one KV cache group; this one has "
-            f"{len(groups)} (hybrid attention)"
-        )
+    if len(groups) == 1:
+        kv_layout = repr(groups[0].kv_cache_spec)
+    else:  # hybrid: every group's layers and spec (cache.vllm.groups)
+        kv_layout = ";".join(f"{list(g.layer_names)}={g.kv_cache_spec!r}" for g in groups)
     hf = model.hf_config.to_json_string(use_diff=False) if hasattr(model.hf_config, "to_json_string") else repr(model.hf_config)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(hf.encode())
@@ -31,7 +30,7 @@ def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int)
         model=str(model.model),
         model_digest=digest.hexdigest(),
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
-        kv_layout=repr(groups[0].kv_cache_spec),
+        kv_layout=kv_layout,
         rank=rank,
         world_size=world,
         chunk_tokens=chunk_tokens,

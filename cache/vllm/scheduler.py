@@ -25,6 +25,11 @@ lookups use the same cut. A hit loads up to *n - 1* tokens (vLLM computes the la
 token for its logits), so the same prompt sent again costs one token of compute, and a
 prompt that extends an earlier one hits its whole chunks. A tail's last block is
 partly filled: only its first positions are loaded, and vLLM writes the rest.
+
+Hybrid models (``cache.vllm.groups``): each chunk has an entry per entry kind (full
+attention under the chunk key, sliding windows only at checkpoints); ``cache.vllm.hits``
+finds the longest hit every kind can serve and plans its loads, which are always
+asynchronous (vLLM takes only whole-request load failures for several KV cache groups).
 """
 
 from __future__ import annotations
@@ -37,8 +42,12 @@ from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
 from cache.config import CacheConfig
+from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
+from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunks
+from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
+from cache.vllm.metrics import TieredKVStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,6 +83,7 @@ class Chunk:
     parent: Optional[str]
     start: int  # first token
     end: int    # one past the last token
+    keys: tuple[str, ...] = ()  # entry key per entry kind (groups.EntryKind.key)
 
 
 @dataclass
@@ -88,13 +98,23 @@ class RequestState:
     probe_until: Optional[float] = None  # deadline of the wait for the shared tier
     save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
     issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
+    # Hybrid models: hit ends whose sliding windows are stored (groups.checkpoints), and
+    # per window kind the chunks whose window entries those need.
+    checkpoints: set[int] = field(default_factory=set)
+    window_saves: dict[int, set[int]] = field(default_factory=dict)
+    why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
 
 
 class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
-                 kv_cache_manager_getter) -> None:
+                 kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
+                 retention_interval: Optional[int] = 0) -> None:
         self.config = config
         self.block_size = block_size
+        # KV cache groups and what each stores (groups.py); one full-attention kind unless
+        # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
+        self.layout = layout or GroupLayout.single(block_size)
+        self.retention_interval = retention_interval
         self.chunk = config.chunk_tokens
         self.chain = namespaces[0].chain_digest
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
@@ -114,6 +134,9 @@ class SchedulerSide:
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
+        shared = [v.shared for v in self.views if v.shared is not None]
+        self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
+                                 lambda: all(getattr(t, "up", True) for t in shared))
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -124,7 +147,16 @@ class SchedulerSide:
         if st.n_tokens != len(tokens):
             st.chunks = self._cut(tokens, request)
             st.n_tokens = len(tokens)
+            if self.layout.windows:
+                st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
+                                             self.chunk, self.retention_interval)
+                self._plan_window_saves(st)
         return st
+
+    def _plan_window_saves(self, st: RequestState) -> None:
+        bounds = [(c.start, c.end) for c in st.chunks]
+        st.window_saves = {i: window_chunks(k, bounds, st.checkpoints, self.block_size)
+                           for i, k in enumerate(self.layout.kinds) if not k.full}
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
@@ -135,7 +167,9 @@ class SchedulerSide:
             tail = 0
         keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
         bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
-        return [Chunk(k, keys[i - 1] if i else None, s, e) for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+        kinds = self.layout.kinds
+        return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+                for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
 
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change what the tokens' KV is without
@@ -156,34 +190,35 @@ class SchedulerSide:
         st = self._state(request)
         st.pending_load = None
         if not self._wants(request, "load"):
+            st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
-        keys = [c.key for c in st.chunks]
-        # One lookup per rank's view; a chunk counts when every rank has it, and it
-        # loads from the slowest tier any rank holds it in.
-        per_view = [v.lookup(keys) for v in self.views]
-        found = min(map(len, per_view)) if per_view else 0
-        if (found < len(keys) and st.chunks[-1].end > num_computed_tokens
-                and (self._awaiting_save(st, keys[found]) or self._awaiting_shared(st, keys[found:]))):
+        # The longest hit every entry kind can serve, and the keys that would make it longer.
+        plan, missing, found = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
+        if (missing and st.chunks[-1].end > num_computed_tokens
+                and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
             return None, False  # ask again at the next step
-        tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(found)]
-        hit_end = min(st.chunks[found - 1].end, st.n_tokens - 1) if found else 0
-        if hit_end <= num_computed_tokens:
+        if self.layout.hybrid:  # a chunk counts as found only inside a hit its windows allow
+            found = found[:plan.chunks if plan is not None else 0]
+        st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
+        if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
+            st.checkpoints.add(plan.junction)  # store the window there for the next request
+            self._plan_window_saves(st)
+        if plan is None or plan.hit_end <= num_computed_tokens:
             return 0, False
-        self._upcoming.update(dict.fromkeys(c.key for c in st.chunks[:found]))
-        needed = [i for i in range(found) if st.chunks[i].end > num_computed_tokens]
+        hit_end = plan.hit_end
+        self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
-        # chunk from another tier makes the whole load asynchronous (worker threads).
-        asynchronous = any(tiers[i] not in self.sync_tiers for i in needed)
-        st.planned = {}
-        for i in needed:
-            n = min(st.chunks[i].end, hit_end) - max(st.chunks[i].start, num_computed_tokens)
-            name = self.tier_names[tiers[i]]
-            st.planned[name] = st.planned.get(name, 0) + n
-        chunks = [ChunkIO(st.chunks[i].key, st.chunks[i].parent, [],
-                          max(0, num_computed_tokens - st.chunks[i].start) // self.block_size)
-                  for i in needed]
-        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous)
+        # chunk from another tier makes the whole load asynchronous (worker threads). So do
+        # hybrid models' loads: vLLM takes only request-level load failures for them.
+        asynchronous = self.layout.hybrid or any(x.tier not in self.sync_tiers for x in plan.loads)
+        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
+        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
+        return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
+                                      [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
+                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -224,16 +259,16 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if num_external_tokens == 0 or st is None or st.pending_load is None:
             return
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()  # one list per KV cache group
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
-        by_key = {c.key: c for c in st.chunks}
-        b = self.block_size
+        by_key = {key: c for c in st.chunks for key in c.keys}
         for chunk in load.chunks:
             c = by_key[chunk.key]
-            end = min(c.end, st.n_tokens - 1)  # the last token is computed, not loaded
-            chunk.block_ids = list(block_ids[c.start // b + chunk.skip_blocks: -(-end // b)])
+            # the last token is computed, not loaded (hit_end <= n_tokens - 1)
+            chunk.block_ids = self.layout.kinds[chunk.kind].load_blocks(
+                c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size)
         self._loads.append(load)
         st.issued.extend(load.chunks)
 
@@ -251,17 +286,25 @@ class SchedulerSide:
             if st is None or not st.chunks or not self._wants(st.request, "save"):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
-            block_ids = None
+            block_ids = null = None
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
-                c = st.chunks[st.next_save]
+                i = st.next_save
+                c = st.chunks[i]
                 st.next_save += 1
-                if c.key in self._saving or all(v.lookup([c.key], local_only=v.has_local) for v in self.views):
-                    continue  # being saved, or stored (by us, another engine, an earlier turn)
-                if block_ids is None:
-                    block_ids = self._kv_manager().get_block_ids(req_id)[0]
-                meta.saves.append(ChunkIO(c.key, c.parent,
-                                          list(block_ids[c.start // self.block_size: -(-c.end // self.block_size)])))
-                self._saving[c.key] = [len(self.views), now + SAVE_REPORT_LOST_S]
+                for k, kind in enumerate(self.layout.kinds):
+                    if not kind.full and i not in st.window_saves.get(k, ()):
+                        continue  # no checkpoint needs this chunk's window
+                    key, parent = entry(st.chunks, k, i)
+                    if key in self._saving or all(v.lookup([key], local_only=v.has_local) for v in self.views):
+                        continue  # being saved, or stored (by us, another engine, an earlier turn)
+                    if block_ids is None:
+                        block_ids = self._kv_manager().get_block_ids(req_id)  # one list per group
+                        null = null_block(self._kv_manager())
+                    ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
+                    if ids is None:
+                        continue  # vLLM freed part of the window (never expected): a future miss
+                    meta.saves.append(ChunkIO(key, parent, ids, kind=k))
+                    self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
@@ -273,8 +316,30 @@ class SchedulerSide:
             bad = next((c for c in st.issued if invalid_block_ids.intersection(c.block_ids)), None)
             if bad is None:
                 continue
+            self.explain.load_failed(st.why, bad.key)
             for view in self.views:
                 view.reject_shared(bad.key)
+
+    def requests_failed(self, req_ids: set[str]) -> None:
+        """Hybrid models report load failures per request (vLLM recomputes them whole):
+        the shared tier's view forgets what those requests loaded, to ask again."""
+        for req_id in req_ids:
+            st = self.requests.get(req_id)
+            for view in (self.views if st is not None else ()):
+                for c in st.issued:
+                    view.reject_shared(c.key)
+
+    def get_stats(self) -> Optional[TieredKVStats]:
+        """Prompt tokens computed since the last report, by cause (``cache.explain``); the
+        workers report the tiers' counters."""
+        counts = self.explain.take_counts()
+        return TieredKVStats(data=counts) if counts else None
+
+    def explain_finished(self, request: "Request") -> list[dict]:
+        """Where the request's KV came from, or why it was computed (``cache.explain``);
+        call before ``request_finished``."""
+        st = self.requests.get(request.request_id)
+        return self.explain.finished(st.why) if st else []
 
     def request_finished(self, request: "Request") -> dict:
         """Forget the request; returns the tokens it loaded per tier (for its output)."""

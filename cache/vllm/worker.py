@@ -13,7 +13,10 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
   read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline) fails its blocks
-  and every later block of the request; vLLM recomputes them.
+  and every later block of the request; vLLM recomputes them. Hybrid models
+  (``cache.vllm.groups``: one copier per entry kind) load asynchronously only, and
+  a failure fails the whole request (vLLM takes no block-level failures for several KV
+  cache groups); vLLM recomputes it.
 
 The store comes from ``cache.assembly.writer_store``. ``set_timer`` hands benchmarks the
 time of each step of a load (``bench/timed_connector.py``).
@@ -33,17 +36,22 @@ from cache.assembly import writer_store
 from cache.config import CacheConfig
 from cache.keys import Namespace
 from cache.threads import spare_cpus, thread_setup
+from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
 
 log = logging.getLogger(__name__)
 
+# Chunk events sent to the scheduler per step at most (beyond: explained as never_stored).
+MAX_EVENTS = 8192
+
 
 class WorkerSide:
     def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, layout: Optional[GroupLayout] = None) -> None:
         self.config = config
+        self.layout = layout or GroupLayout.single(block_size)
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -54,20 +62,31 @@ class WorkerSide:
         self._timer: Optional[Callable[..., None]] = None
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
-        self.copier: Optional[BlockCopier] = None
+        self.copiers: list[BlockCopier] = []  # one per entry kind
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # hybrid models: loads that failed
         self._inflight: dict[str, object] = {}
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
+        # What happened to chunks since the last step, for the scheduler's explanations
+        # (cache.explain): (key, event, tier), at most MAX_EVENTS per step.
+        self._events: list[tuple[str, str, str]] = []
+        self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = KVLayout.of(kv_caches, self.num_blocks)
-        self.copier = BlockCopier(kv_caches, layout)
-        log.info("kvcache: %d KV layers, block dim %d, %s, %d bytes per block; tiers: %s",
-                 len(layout.layer_names), layout.block_dim, layout.dtype_name,
-                 layout.bytes_per_block(), self.store.describe())
-        chunk = layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size)
+        chunk = 0  # bytes of the largest entry: one whole chunk of the kind with the most layers
+        for kind in self.layout.kinds:
+            if self.layout.hybrid:  # the kind's layers, each reading its group's blocks
+                names, groups = kind.layer_names, kind.layer_groups
+            else:  # one group: every layer in vLLM's order, as entries always held them
+                names, groups = tuple(kv_caches), None
+            layout = KVLayout.of({n: kv_caches[n] for n in names}, self.num_blocks)
+            self.copiers.append(BlockCopier(kv_caches, layout, groups))
+            log.info("kvcache: %d KV layers%s, block dim %d, %s, %d bytes per block; tiers: %s",
+                     len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
+                     layout.dtype_name, layout.bytes_per_block(), self.store.describe())
+            chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
                 log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
@@ -86,8 +105,8 @@ class WorkerSide:
     def step_begins(self) -> None:
         """A step's metadata is bound, before its forward pass is launched: the compute
         stream waits for the copies of earlier saves (blocks they read may be reused)."""
-        if self.copier is not None:
-            self.copier.fence()
+        for copier in self.copiers:
+            copier.fence()
 
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
@@ -95,8 +114,8 @@ class WorkerSide:
         mark = None
         for load in meta.loads:
             if load.asynchronous:
-                if mark is None and self.copier is not None:
-                    mark = self.copier.compute_mark()  # after the compute stream's work so far
+                if mark is None and self.copiers:
+                    mark = self.copiers[0].compute_mark()  # after the compute stream's work so far
                 t = threading.Thread(target=self._load_async, args=(load, mark), daemon=True,
                                      name=f"kvcache-load-{load.req_id}")
                 self._inflight[load.req_id] = t
@@ -116,7 +135,10 @@ class WorkerSide:
             log.exception("kvcache: loading request %s failed", load.req_id)
             failed = {b for c in load.chunks for b in c.block_ids}
         with self._lock:
-            self._failed_blocks |= failed
+            if failed and self.layout.hybrid:
+                self._failed_requests.add(load.req_id)
+            else:
+                self._failed_blocks |= failed
             self._finished_loads.add(load.req_id)
 
     def _timed_load(self, load: LoadRequest, mark=None) -> set[int]:
@@ -132,25 +154,31 @@ class WorkerSide:
         """Fill the request's blocks chunk by chunk; returns the blocks that failed.
         ``mark``: the compute stream's point the copies must follow (a load on its own
         thread; see ``BlockCopier.compute_mark``)."""
-        assert self.copier is not None
+        assert self.copiers
         # Reads and checksums run on the store's read threads, ahead of the copies here.
         futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
+            copier = self.copiers[chunk.kind]
             entry = futures[i].result()
-            ok = entry is not None and entry.info.dtype == self.copier.layout.dtype_name
+            ok = entry is not None and entry.info.dtype == copier.layout.dtype_name
+            if not ok:
+                self._on_event(chunk.key, "missing" if entry is None else "damaged",
+                               "none" if entry is None else self.store.tier_names[entry.tier])
             if ok:
                 try:
                     with warnings.catch_warnings():  # read-only mapping, only ever copied from
                         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                        src = torch.frombuffer(entry.payload, dtype=self.copier.layout.dtype)
+                        src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
                     src = src.view(entry.info.shape)
                     t = time.perf_counter()
-                    self.copier.scatter(chunk.block_ids, src, chunk.skip_blocks, after=mark)
+                    copier.scatter(chunk.block_ids, src, chunk.skip_blocks, after=mark)
                     if self._timer is not None:
                         self._timer("scatter", time.perf_counter() - t)
-                    self.store.note_loaded(entry.tier, len(chunk.block_ids) * self.block_size)
+                    self.store.note_loaded(entry.tier, chunk.tokens if chunk.tokens is not None
+                                           else len(chunk.block_ids) * self.block_size)
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
+                    self._on_event(chunk.key, "damaged", self.store.tier_names[entry.tier])
                     ok = False
             if not ok:
                 return {b for c in load.chunks[i:] for b in c.block_ids}
@@ -165,23 +193,29 @@ class WorkerSide:
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
-        return self._stats.take(self.store.counters(), self.store.levels())
+        return self._stats.take(self.store.counters(), {"all.enabled": 1, **self.store.levels()})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed (hybrid models; also reported finished)."""
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
-        if not meta.saves or self.copier is None:
+        if not meta.saves or not self.copiers:
             return
-        layout = self.copier.layout
         for chunk in meta.saves:
+            copier = self.copiers[chunk.kind]
             # On CUDA the copy is still running when put() queues it: the writer thread
             # waits for it (ready), the next step's forward pass too (step_begins).
-            host, ready = self.copier.gather_async(chunk.block_ids)
-            self.store.put(chunk.key, chunk.parent, layout.dtype_name, tuple(host.shape),
+            host, ready = copier.gather_async(chunk.block_ids)
+            self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
                            host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled,
                            ready=ready)
 
@@ -189,11 +223,18 @@ class WorkerSide:
         with self._lock:
             self._settled.append(key)
 
+    def _on_event(self, key: str, event: str, tier: str) -> None:
+        with self._lock:
+            if len(self._events) < MAX_EVENTS:
+                self._events.append((key, event, tier))
+
     def take_settled(self) -> Optional[TieredKVWorkerMetadata]:
-        """Saves settled since the last call, for the scheduler (``None``: nothing new)."""
+        """Saves settled and chunk events since the last call, for the scheduler
+        (``None``: nothing new)."""
         with self._lock:
             settled, self._settled = self._settled, []
-        return TieredKVWorkerMetadata(settled) if settled else None
+            events, self._events = self._events, []
+        return TieredKVWorkerMetadata(settled, events) if settled or events else None
 
     def shutdown(self) -> None:
         """Flush write-behind within vLLM's worker shutdown grace (~5 s); what is not

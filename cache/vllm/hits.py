@@ -1,0 +1,95 @@
+"""Scheduler side, per request: the hit every entry kind can serve and the loads it takes.
+
+Runs in vLLM's engine-core process, inside the scheduler loop (``SchedulerSide``): nothing
+here may block. Lookups are the views' ``lookup`` (``contains`` on local tiers, the shared
+tier's memory); no payload is read. The arithmetic of what a hit needs of each entry kind
+is in ``cache.vllm.groups``; a model with one full-attention group has one kind, whose
+entries are the chunks themselves, so it finds and loads exactly what it always did.
+
+``chunks`` are the request's ``scheduler.Chunk`` objects (``key``, ``start``, ``end``,
+``keys``: one entry key per kind).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from cache.vllm.groups import GroupLayout, HitPlan, plan_hit, window_chunks
+from cache.vllm.metadata import ChunkIO
+
+
+def entry(chunks: Sequence, kind: int, i: int) -> tuple[str, Optional[str]]:
+    """Key and parent of chunk ``i``'s entry of ``kind``: full attention chains chunk to
+    chunk; a window entry hangs off its chunk's first-kind entry, so prefix-aware
+    policies drop it before the chunk it serves."""
+    c = chunks[i]
+    if kind == 0:
+        return c.keys[0], (chunks[i - 1].keys[0] if i else None)
+    return c.keys[kind], c.keys[0]
+
+
+def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: int,
+             computed: int) -> tuple[Optional[HitPlan], list[str], list[int]]:
+    """The longest hit every entry kind can serve (``groups.plan_hit``) with one lookup
+    view per rank, the keys that would make it longer but are missing (to wait for
+    saves in flight or the shared tier), and the tier of each leading full-attention
+    entry every rank holds (for ``cache.explain``). An entry counts when every rank has
+    it, and it loads from the slowest tier any rank holds it in."""
+    kinds = layout.kinds
+    memo: dict[str, Optional[int]] = {}
+
+    def tier_of(key: str) -> Optional[int]:
+        if key not in memo:
+            found = [v.lookup([key]) for v in views]
+            memo[key] = max(f[0] for f in found) if all(found) else None
+        return memo[key]
+
+    full = next((i for i, k in enumerate(kinds) if k.full), None)
+    if full is not None:
+        keys = [c.keys[full] for c in chunks]
+        per_view = [v.lookup(keys) for v in views]
+        run = min(map(len, per_view)) if per_view else 0
+        full_tiers = [max(tiers_of[i] for tiers_of in per_view) for i in range(run)]
+        missing = keys[run:]
+    else:
+        run, full_tiers, missing = len(chunks), [], []
+    bounds = [(c.start, c.end) for c in chunks]
+    plan = plan_hit(layout, bounds, n_tokens, computed, run,
+                    lambda kind, i: tier_of(chunks[i].keys[kind]), full_tiers)
+    if chunks and layout.windows:  # the windows the whole prompt's hit needs
+        longest = min(chunks[-1].end, n_tokens - 1)
+        for w, kind in enumerate(kinds):
+            if not kind.full:
+                need = window_chunks(kind, bounds, {longest}, layout.block_size)
+                missing += [chunks[i].keys[w] for i in sorted(need)
+                            if chunks[i].end > computed and tier_of(chunks[i].keys[w]) is None]
+    return plan, missing, full_tiers
+
+
+def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int,
+               tier_names: Sequence[str]) -> tuple[dict[str, int], list[ChunkIO]]:
+    """The prompt tokens the hit serves per tier (a chunk counts under the slowest tier
+    of its entries) and one ``ChunkIO`` per entry to load (block ids filled in once vLLM
+    allocates them). Each token is counted once, on the first entry of its chunk; those
+    of chunks with no entry to load (outside every window) on the first entry of all."""
+    B = layout.block_size
+    slowest: dict[int, int] = {}
+    for x in plan.loads:
+        slowest[x.chunk] = max(slowest.get(x.chunk, -1), x.tier)
+    planned: dict[str, int] = {}
+    tokens: dict[int, int] = {}  # per chunk: its tokens in the hit
+    for i in range(plan.chunks):
+        c = chunks[i]
+        if c.end > computed:
+            tokens[i] = min(c.end, plan.hit_end) - max(c.start, computed)
+            name = tier_names[slowest.get(i, max(slowest.values()))]
+            planned[name] = planned.get(name, 0) + tokens[i]
+    rest = sum(n for i, n in tokens.items() if i not in slowest)
+    out: list[ChunkIO] = []
+    for x in plan.loads:
+        key, parent = entry(chunks, x.kind, x.chunk)
+        c = chunks[x.chunk]
+        held_from = layout.kinds[x.kind].blocks(c.start, c.end, B)[0]
+        n = tokens.pop(x.chunk, 0) + (rest if not out else 0)
+        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n))
+    return planned, out

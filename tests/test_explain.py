@@ -1,0 +1,182 @@
+"""Explanations without an engine: the scheduler side with stand-in requests and a real
+writer store whose events travel as the workers' would (``cache.explain``). The real
+engine drives every cause in ``tests/test_explain_engine.py``."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cache.assembly import build_tiers
+from cache.codec import HEADER_SIZE
+from cache.config import build_cache_config
+from cache.explain import CAUSES, Explainer, compact
+from cache.keys import Namespace
+from cache.policy import LRUPolicy
+from cache.store import TieredStore
+from cache.vllm.scheduler import SchedulerSide
+from tests.test_scheduler_side import BLOCK, CHUNK, Blocks, output, request
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
+                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB",
+                              "KVCACHE_SIGNING_KEY": "k"})
+    ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
+    manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
+    side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager)
+    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()], signing_key=b"k")
+    events: list = []
+    writer.on_event = lambda *e: events.append(e)
+
+    def settle():
+        writer.flush(10)
+        side.explain.worker_events(list(events))
+        events.clear()
+
+    return side, writer, settle
+
+
+def run(side, writer, settle, req, computed=0):
+    """One request through lookup, (load,) compute, save and finish; its explanation."""
+    n, _ = side.get_num_new_matched_tokens(req, computed)
+    if n:
+        side.update_state_after_alloc(req, Blocks(list(range(12))), n)
+    meta = side.build_connector_meta(output(new=[(req.request_id, computed + (n or 0))],
+                                            scheduled={req.request_id: 2000}))
+    for c in meta.saves:
+        writer.put(c.key, c.parent, "uint8", (4,), np.zeros(4, np.uint8))
+    settle()
+    side.saves_settled([c.key for c in meta.saves])
+    why = side.explain_finished(req)
+    side.request_finished(req)
+    return [(r["tokens"][0], r["tokens"][1], r.get("from") or r["computed"], r.get("tier")) for r in why]
+
+
+def test_hit_miss_and_the_last_token(setup):
+    side, writer, settle = setup
+    assert run(side, writer, settle, request("a", 700)) == [(0, 699, "never_stored", None)]
+    assert run(side, writer, settle, request("b", 700)) == [(0, 699, "dram", None)]
+    # vLLM's own prefix cache held the first 256: only the rest is ours
+    assert run(side, writer, settle, request("c", 700), computed=256) == [(0, 256, "vllm", None),
+                                                                          (256, 699, "dram", None)]
+    assert side.explain.take_counts() == {"miss:never_stored:none": 699}
+    assert side.explain.take_counts() == {}
+
+
+def test_evicted_not_admitted_and_after_miss(setup):
+    side, writer, settle = setup
+    req = request("a", 1500)
+    run(side, writer, settle, req)
+    keys = list(side.explain.fates.last)
+    # the second chunk leaves the tiers through the policies (demoted, then evicted); the rest stays
+    writer._evict(0, keys[1])
+    writer._evict(1, keys[1])
+    settle()
+    assert run(side, writer, settle, request("b", 1500)) == [
+        (0, 256, "dram", None), (256, 512, "evicted", "disk"), (512, 1499, "after_miss", None)]
+    # a request that may not save: the next one is told why nothing was there
+    quiet = request("q", 600, seed=9)
+    quiet.kv_transfer_params = {"kvcache_save": False}
+    run(side, writer, settle, quiet)
+    assert run(side, writer, settle, request("r", 600, seed=9)) == [(0, 599, "not_admitted", None)]
+
+
+def test_evicted_for_good_names_the_tier_it_left(setup):
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    key = side.explain.fates.last.__iter__().__next__()
+    writer._evict(0, key)  # demoted to disk ...
+    writer._evict(1, key)  # ... and evicted from there
+    settle()
+    assert run(side, writer, settle, request("b", 600))[0] == (0, 256, "evicted", "disk")
+
+
+def test_another_salt_holds_the_tokens(setup):
+    side, writer, settle = setup
+    salted = request("a", 600)
+    salted.cache_salt = "tenant-a"
+    run(side, writer, settle, salted)
+    assert run(side, writer, settle, request("b", 600)) == [(0, 599, "other_namespace", None)]
+    again = request("c", 600)
+    again.cache_salt = "tenant-a"
+    assert run(side, writer, settle, again) == [(0, 599, "dram", None)]
+
+
+def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    first, second = list(side.explain.fates.last)[:2]
+    path = writer.tiers[0].path(second)
+    raw = bytearray(open(path, "rb").read())
+    raw[HEADER_SIZE] ^= 0xFF
+    open(path, "wb").write(raw)
+    req = request("b", 600)
+    n, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, Blocks(list(range(12))), n)
+    (load,) = side.build_connector_meta(output()).loads
+    assert writer.get(first) is not None and writer.get(second) is None  # the worker's reads
+    settle()
+    side.loads_failed(set(load.chunks[1].block_ids))
+    why = side.explain_finished(req)
+    assert [(r.get("from") or r["computed"], r.get("tier")) for r in why] == [
+        ("dram", None), ("damaged", "dram"), ("after_miss", None)]
+    side.request_finished(req)
+    # the damaged entry was dropped: the next request is told why it is missing
+    assert run(side, writer, settle, request("c", 600))[1] == (256, 512, "damaged", "dram")
+    # an entry signed with another key
+    foreign = request("d", 600, seed=5)
+    run(side, writer, settle, foreign)
+    key = list(side.explain.fates.last)[-1]
+    from cache.codec import encode_header
+    payload = np.zeros(4, np.uint8)
+    path = writer.tiers[0].path(key)
+    with open(path, "wb") as f:
+        f.write(encode_header(writer.namespace, key, "uint8", (4,), payload, b"other") + payload.tobytes())
+    assert writer.get(key) is None
+    settle()
+    assert run(side, writer, settle, request("e", 600, seed=5))[-1][2:] == ("unsigned", "dram")
+
+
+def test_writing_recompute_and_shared_down(setup):
+    side, writer, settle = setup
+    req = request("a", 600)
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 600}))  # saves sent, not settled
+    side.request_finished(req)
+    side._saving = {k: v for k, v in side._saving.items()}
+    look = side.explain.looked_up([], 0, [(k, 0, 1) for k in side._saving], [], side._saving)
+    assert {c for c, _t in look.misses} == {"writing"}
+    no_load = request("b", 600)
+    no_load.kv_transfer_params = {"kvcache_load": False}
+    assert run(side, writer, settle, no_load) == [(0, 599, "recompute", None)]
+    down = Explainer(b"c" * 16, CHUNK, "dram", shared_up=lambda: False)
+    look = down.looked_up(list(range(600)), 0, [("k1", 0, 256), ("k2", 256, 512)], [], {})
+    assert look.misses == [("shared_unreachable", "shared")] * 2
+    # a publish in flight, a read past its deadline, a cost model's choice
+    ex = Explainer(b"c" * 16, CHUNK, "dram")
+    ex.worker_events([("k1", "publishing", "shared"), ("k2", "load_timeout", "shared"),
+                      ("k2", "missing", "none")])
+    look = ex.looked_up(list(range(800)), 0, [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 768)],
+                        ["dram"], {})
+    assert look.misses == [("writing", "shared"), ("load_timeout", "shared")]
+    ex.chose_recompute(look, 0)
+    assert [r["computed"] for r in ex.finished(look)] == ["recompute", "writing", "load_timeout"]
+
+
+def test_records_are_bounded():
+    ex = Explainer(b"c" * 16, CHUNK, "dram", limit=100)
+    ex.worker_events([(f"k{i}", "evicted", "dram") for i in range(1000)])
+    assert len(ex.fates.last) == 100 and ex.fates.get("k999") == ("evicted", "dram")
+
+
+def test_compact_header_value():
+    why = [{"tokens": [0, 1408], "from": "vllm"}, {"tokens": [1408, 1499], "computed": "evicted", "tier": "disk"}]
+    assert compact(why) == "vllm:0-1408,evicted/disk:1408-1499"
+    assert compact([]) == "none"
+    long = [{"tokens": [i, i + 1], "computed": "never_stored"} for i in range(500)]
+    text = compact(long, 1024)
+    assert len(text) <= 1024 and text.endswith(f",+{500 - text.count(',')}") and text.isascii()
+    assert set(CAUSES) >= {"never_stored", "evicted", "not_admitted", "other_namespace", "damaged",
+                           "unsigned", "writing", "load_timeout", "shared_unreachable", "recompute"}
