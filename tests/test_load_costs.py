@@ -118,6 +118,8 @@ def test_step_compute_goes_to_the_workers(setup):
     side, _ = setup
     meta = side.build_connector_meta(output(new=[("a", 0)], cached=[("b", 100)], scheduled={"a": 64, "b": 1}))
     assert meta.compute == (65, attention_pairs(64, 0) + attention_pairs(1, 100))
+    meta = side.build_connector_meta(output(cached=[("a", 64), ("b", 101)], scheduled={"a": 1, "b": 1}))
+    assert meta.compute is None  # decode steps are not timed
 
 
 # -- worker side ---------------------------------------------------------------------

@@ -75,9 +75,13 @@ class LoadPlanner:
         self._counts[key] = self._counts.get(key, 0) + 1
 
     # -- learning --------------------------------------------------------------------
-    def step_compute(self, scheduled: Sequence[tuple[int, int]]) -> tuple[int, float]:
+    def step_compute(self, scheduled: Sequence[tuple[int, int]]) -> Optional[tuple[int, float]]:
         """This step's compute from (tokens computed before, tokens scheduled) per
-        request: total tokens and attention pairs, for the workers to time."""
+        request: total tokens and attention pairs, for the workers to time; None for a
+        step without prefill (decode steps alone would crowd the fit's window out and
+        say little about a prefill's per-token cost)."""
+        if not any(n > 1 for _, n in scheduled):
+            return None
         return (sum(n for _, n in scheduled),
                 sum(attention_pairs(n, done) for done, n in scheduled))
 
