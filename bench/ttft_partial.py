@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     for d in (args.workdir, args.shmdir):
         shutil.rmtree(d, ignore_errors=True)
     bench = bench_ttft.Bench(args)
+    bench.max_model_len = max(args.sizes + [args.sweep_size]) + max(SUFFIXES) + 256  # prefix + suffix + output
     try:
         bench_ttft.log("floors: bandwidth of a memory copy and of a cold disk read, per prompt size")
         bench.measure_floors()
@@ -265,10 +266,12 @@ def main(argv=None) -> int:
         shutil.rmtree(args.workdir, ignore_errors=True)
     extra = summarize(bench)
     saved = os.path.join(args.out, "ttft_partial.json")
-    if os.path.exists(saved):  # a run of some scenarios keeps the others' saved figures
+    if os.path.exists(saved):  # a run of some scenarios or sizes keeps the others' figures
         with open(saved) as f:
             old = json.load(f)
-        extra["partial"] += [r for r in old.get("partial", []) if f"partial-{r['tier']}" not in args.only]
+        extra["partial"] += [r for r in old.get("partial", [])
+                             if f"partial-{r['tier']}" not in args.only or r["prefix"] not in args.sizes]
+        extra["partial"].sort(key=lambda r: (("dram", "disk", "l3").index(r["tier"]), r["prefix"], r["suffix"]))
         extra["sweep"] = extra["sweep"] if "sweep" in args.only else old.get("sweep", [])
     result = {"config": {"shape": args.shape, "dtype": bench_ttft.DTYPE, "bytes_per_token": bench.bytes_per_token,
                          "sizes": args.sizes, "hit_repeats": args.hit_repeats, "sweep_caps": args.sweep_caps,
