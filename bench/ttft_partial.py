@@ -1,7 +1,8 @@
 """TTFT of partial hits and of the shared tier's bandwidth sweep (issue 14 item 4).
 
 ``python -m bench.ttft_partial [--only partial-dram,partial-disk,partial-l3,sweep]
-[--sweep-caps 1.8e9,4e8,1e8,2.5e7] [--sweep-size 4096] [bench_ttft options]`` writes
+[--sweep-caps 1.8e9,4e8,1e8,2.5e7] [--sweep-size 4096] [bench_ttft options]`` (or
+``--render [JSON]``: the report again from a saved run) writes
 ``ttft_partial.json`` and ``.md`` under ``bench/results/`` and the README's ``ttft_partial``
 section. Runs in the benchmark's parent process, one engine subprocess at a time, with
 ``bench.bench_ttft``'s ``Bench`` helpers (model, prompts, timed requests, page-cache
@@ -185,7 +186,7 @@ def markdown(extra: dict) -> list[str]:
             lines.append(f"| {r['tier']} | {r['prefix']} | {r['suffix']} | {_f(r['median_ms'])} | "
                          f"{_f(min(r['samples_ms']))}–{_f(max(r['samples_ms']))} | {min(r['loaded'])} | "
                          f"{_f(r['suffix_compute_ms'])} | {_f(r['load_ms'])} | {_f(r['floor_ms'])} | "
-                         f"{_f(r['vs_floor'], '.2f')} | {'≤ ' + str(r['target']) if r['target'] else '–'} {met} |")
+                         f"{_f(r['vs_floor'], '.2f')} | {'≤ ' + str(r['target']) + ' ' + met if r['target'] else '–'} |")
     if extra.get("sweep"):
         lines += ["", "## Shared-tier bandwidth sweep", "",
                   "A repeated prompt served through the shared tier at each bandwidth cap "
@@ -223,6 +224,13 @@ def readme_lines(extra: dict) -> list[str]:
     return lines
 
 
+def _short(error: str) -> str:
+    """An error's first line and the first line after it that names an exception."""
+    lines = error.splitlines()
+    cause = next((x.strip() for x in lines[1:] if "Error:" in x or "Exception:" in x), "")
+    return " ".join(filter(None, (lines[0], cause)))
+
+
 SCENARIOS = ("partial-dram", "partial-disk", "partial-l3", "sweep")
 
 
@@ -244,7 +252,13 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--render"]:  # the report again from the saved JSON (no measurement)
+        saved = argv[1] if len(argv) > 1 else os.path.join(bench_ttft.REPO, "bench", "results", "ttft_partial.json")
+        with open(saved) as f:
+            write_report(json.load(f), os.path.dirname(os.path.abspath(saved)))
+        return 0
+    args = parse_args(argv)
     t_start = time.perf_counter()
     from serving.default_model import ModelShape, ensure_model
 
@@ -282,20 +296,27 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(saved, "w") as f:
         json.dump(result, f, indent=1)
-    head = [f"# TTFT of partial hits and of the shared tier's bandwidth sweep", "",
-            f"Model: random-weight Llama, {args.shape}, {bench_ttft.DTYPE}, {bench.bytes_per_token:,} KV "
-            f"bytes/token; median of {args.hit_repeats} samples after a warm-up round; machine: "
-            f"{result['config']['machine']}; run took {result['wall_s'] / 60:.1f} min."]
-    errors = ["", "Errors in this run: " + "; ".join(bench.errors)] if bench.errors else []
-    md = "\n".join(head + markdown(extra) + errors) + "\n"
-    with open(os.path.join(args.out, "ttft_partial.md"), "w") as f:
+    write_report(result, args.out)
+    return 1 if bench.errors else 0
+
+
+def write_report(result: dict, out: str) -> None:
+    """``ttft_partial.md`` next to the JSON, and the README's section when ``out`` is
+    the committed results folder."""
+    cfg = result["config"]
+    head = ["# TTFT of partial hits and of the shared tier's bandwidth sweep", "",
+            f"Model: random-weight Llama, {cfg['shape']}, {cfg['dtype']}, {cfg['bytes_per_token']:,} KV "
+            f"bytes/token; median of {cfg['hit_repeats']} samples after a warm-up round; machine: "
+            f"{cfg['machine']}; the last run took {result['wall_s'] / 60:.1f} min."]
+    errors = ["", "Errors in the last run: " + "; ".join(map(_short, result["errors"]))] if result["errors"] else []
+    md = "\n".join(head + markdown(result) + errors) + "\n"
+    with open(os.path.join(out, "ttft_partial.md"), "w") as f:
         f.write(md)
     print(md)
-    if os.path.abspath(args.out) == os.path.join(bench_ttft.REPO, "bench", "results"):
+    if os.path.abspath(out) == os.path.join(bench_ttft.REPO, "bench", "results"):
         readme.replace_section("ttft_partial", "\n".join(
             ["Method and all figures: [bench/results/ttft_partial.md](bench/results/ttft_partial.md)."]
-            + readme_lines(extra) + errors).strip())
-    return 1 if bench.errors else 0
+            + readme_lines(result) + errors).strip())
 
 
 if __name__ == "__main__":
