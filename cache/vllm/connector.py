@@ -41,6 +41,7 @@ from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace
 from cache.vllm.off import CacheOff
+from cache.vllm.planner import bytes_per_block
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +87,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                           for r in range(world)]
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
-                                                vllm_config.cache_config.prefix_cache_retention_interval)
+                                                vllm_config.cache_config.prefix_cache_retention_interval,
+                                                bytes_per_block(kv_cache_config))
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
@@ -114,7 +116,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_side is not None:
-            self.worker_side.step_begins()
+            self.worker_side.step_begins(connector_metadata if isinstance(connector_metadata, TieredKVMetadata)
+                                         else None)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -188,6 +191,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.scheduler_side.explain.worker_events(worker_meta.events)
             self.scheduler_side.saves_settled(worker_meta.settled)
+            self.scheduler_side.planner.observe(worker_meta.samples)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         why = self.scheduler_side.explain_finished(request)

@@ -41,6 +41,8 @@ class LoadRequest:
     chunks: list[ChunkIO]
     asynchronous: bool     # True: load on a worker thread, report through get_finished
     hit_end: int = 0       # tokens computed once loaded
+    estimate_s: Optional[float] = None  # expected load time (cache.cost)
+    deadline_s: Optional[float] = None  # cut short after this long; the rest is recomputed
 
 
 @dataclass
@@ -52,6 +54,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     # Stored chunks that new requests found (used again, loaded or in vLLM's own prefix
     # cache): the workers copy them down to disk so a restart finds them (durability).
     reused: list[str] = field(default_factory=list)
+    # This step's compute: tokens scheduled and attention pairs (cache.cost); the workers
+    # time the forward pass and send both back, to learn the engine's prefill rate.
+    compute: Optional[tuple[int, float]] = None
 
 
 @dataclass
@@ -64,7 +69,11 @@ class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
 
     settled: list[str] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    # Measurements for the scheduler's cost model (cache.vllm.planner): ("load", tier,
+    # bytes, seconds) per finished load, ("step", tokens, pairs, seconds) per forward pass.
+    samples: list[tuple] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
         assert isinstance(other, TieredKVWorkerMetadata)
-        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events)
+        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events,
+                                      self.samples + other.samples)

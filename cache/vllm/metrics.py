@@ -12,9 +12,15 @@ their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cach
 the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
 with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
 prompt tokens computed since its last report, by the reason they were not loaded
-(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``. The workers add
+(``cache.explain``), exported as ``kvcache:misses_total{tier,cause}``, and
+``{"plan:<path>.requests": n}``: requests by what the cost model chose (``load``,
+``partial``, ``recompute``; ``cache.vllm.planner``). The workers add
 ``{"write_failure:<cause>:<tier>": n}``: failed tier writes by cause (``cache.faults``),
-exported as ``kvcache:tier_write_failures_total{tier,cause}``.
+exported as ``kvcache:tier_write_failures_total{tier,cause}``, and
+``{"load:<mode>.<field>": n}`` per load mode (``sync``, ``async``): loads, their
+seconds, the cost model's estimate against the measured seconds of the loads it
+estimated, and loads cut short at their deadline (``PLAN_COUNTERS``;
+``cache.vllm.load_costs``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,22 @@ COUNTERS = {
     "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
     "persisted": "Reused entries copied down into the tier in the background, so a restart finds them",
     "dropped_persists": "Copies to disk of reused entries dropped because their queue was full (tier=all)",
+}
+
+# ("<prefix>", "<field>") of keys "<prefix>:<label>.<field>" -> (metric name, label name, documentation)
+PLAN_COUNTERS = {
+    ("plan", "requests"): ("kvcache:requests_by_path", "path",
+                           "Requests that found a prefix in the tiers, by what the cost model chose: load "
+                           "(everything found), partial (a prefix of it, the rest recomputed), recompute"),
+    ("load", "loads"): ("kvcache:loads", "mode",
+                        "Loads by mode: sync (before the forward pass), async (the request waits, others run)"),
+    ("load", "seconds"): ("kvcache:load_seconds", "mode", "Measured wall time of loads"),
+    ("load", "estimated_seconds"): ("kvcache:load_estimated_seconds", "mode",
+                                    "The cost model's estimate of the loads it estimated"),
+    ("load", "estimated_actual_seconds"): ("kvcache:load_estimated_actual_seconds", "mode",
+                                           "Measured wall time of the loads the cost model estimated"),
+    ("load", "cut_short"): ("kvcache:loads_cut_short", "mode",
+                            "Loads that ran past their deadline; the rest of the prompt was recomputed"),
 }
 
 
@@ -112,6 +134,8 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             "capacity_bytes": self._gauge_cls(name="kvcache:tier_capacity_bytes",
                                               documentation="Byte bound of the tier", labelnames=names),
         }
+        self._plan = {key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames + [label])
+                      for key, (name, label, doc) in PLAN_COUNTERS.items()}
         self._enabled = self._gauge_cls(
             name="kvcache:enabled", labelnames=labelnames,
             documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
@@ -120,6 +144,12 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.items():
+            prefix, colon, rest = key.partition(":")
+            if colon and (prefix, rest.rpartition(".")[2]) in self._plan:
+                label, _, field = rest.rpartition(".")
+                if value > 0:
+                    self._plan[(prefix, field)].labels(*labels, label).inc(value)
+                continue
             if key.startswith(("miss:", "write_failure:")):
                 kind, cause, tier = key.split(":", 2)
                 if value > 0:

@@ -1,4 +1,5 @@
-"""The cache namespace of one vLLM engine and rank, derived from its configuration.
+"""The cache namespace of one vLLM engine and rank, derived from its configuration, and
+the salt of one request's prefix (``prefix_salt``).
 
 Runs in the scheduler and in every worker at start-up; both must derive the same
 namespace from the same configuration, so it is built only from ``VllmConfig`` and
@@ -8,6 +9,7 @@ namespace from the same configuration, so it is built only from ``VllmConfig`` a
 from __future__ import annotations
 
 import hashlib
+import json
 
 from cache.keys import Namespace
 
@@ -35,3 +37,16 @@ def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int)
         world_size=world,
         chunk_tokens=chunk_tokens,
     )
+
+
+def prefix_salt(request) -> str:
+    """What besides the tokens changes a prefix's KV or who may see it, folded into the
+    first key of its chain: the LoRA adapter, and vLLM's per-request ``cache_salt`` (a
+    tenant's secret against prefix-cache timing attacks). A prompt without either keeps
+    the plain chain, so it never meets a salted entry, and salted prompts meet only
+    entries of the same salt, in every tier."""
+    lora = getattr(request, "lora_request", None)
+    parts = {"lora": lora.lora_name if lora else None, "cache_salt": getattr(request, "cache_salt", None)}
+    if not any(parts.values()):
+        return ""
+    return json.dumps(parts, sort_keys=True)

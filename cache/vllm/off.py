@@ -51,7 +51,7 @@ class CacheOff:
     def register_kv_caches(self, kv_caches) -> None:
         return None
 
-    def step_begins(self) -> None:
+    def step_begins(self, meta=None) -> None:
         return None
 
     def start_load_kv(self, meta) -> None:

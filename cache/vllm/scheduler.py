@@ -34,7 +34,6 @@ asynchronous (vLLM takes only whole-request load failures for several KV cache g
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,10 +43,12 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
-from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunks
+from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
+from cache.vllm.namespace import prefix_salt
+from cache.vllm.planner import LoadPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -62,19 +63,6 @@ LOOKUP_WAIT_MAX_S = 0.5
 SAVE_WAIT_MAX_S = 2.0
 # A save not reported settled this long after it was sent is forgotten (a report lost).
 SAVE_REPORT_LOST_S = 60.0
-
-
-def prefix_salt(request: "Request") -> str:
-    """What besides the tokens changes a prefix's KV or who may see it, folded into the
-    first key of its chain: the LoRA adapter, and vLLM's per-request ``cache_salt`` (a
-    tenant's secret against prefix-cache timing attacks). A prompt without either keeps
-    the plain chain, so it never meets a salted entry, and salted prompts meet only
-    entries of the same salt, in every tier."""
-    lora = getattr(request, "lora_request", None)
-    parts = {"lora": lora.lora_name if lora else None, "cache_salt": getattr(request, "cache_salt", None)}
-    if not any(parts.values()):
-        return ""
-    return json.dumps(parts, sort_keys=True)
 
 
 @dataclass
@@ -109,7 +97,9 @@ class RequestState:
 class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
-                 retention_interval: Optional[int] = 0) -> None:
+                 retention_interval: Optional[int] = 0, bytes_per_block: int = 0) -> None:
+        """``bytes_per_block``: KV bytes of one block on one rank, every layer (the cost
+        model's unit; 0: unknown, every hit loads whatever it finds)."""
         self.config = config
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
@@ -125,6 +115,9 @@ class SchedulerSide:
         specs = config.tiers()
         self.tier_names = [t.name for t in specs]
         self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
+        # Load or recompute, per request, from costs measured online (cache.cost).
+        self.planner = LoadPlanner(self.tier_names, {t.name for t in specs if t.synchronous}, block_size,
+                                   bytes_per_block=0 if self.layout.hybrid else bytes_per_block)
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
@@ -211,6 +204,9 @@ class SchedulerSide:
             self._plan_window_saves(st)
         if plan is None or plan.hit_end <= num_computed_tokens:
             return 0, False
+        plan, cost = self._cost_cut(request.request_id, st, plan, num_computed_tokens)
+        if plan is None:
+            return 0, False
         hit_end = plan.hit_end
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
@@ -218,8 +214,26 @@ class SchedulerSide:
         # hybrid models' loads: vLLM takes only request-level load failures for them.
         asynchronous = self.layout.hybrid or any(x.tier not in self.sync_tiers for x in plan.loads)
         st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
-        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end)
+        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end,
+                                      cost.estimate_s, cost.deadline_s)
         return hit_end - num_computed_tokens, asynchronous
+
+    def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int):
+        """The part of ``plan`` worth loading (``cache.cost``): all of it, a prefix of its
+        chunks, or nothing (None: recompute); and the cost model's plan. Hybrid models
+        load the whole hit (the planner has no cost for their windows)."""
+        spans = [(st.chunks[x.chunk].start, min(st.chunks[x.chunk].end, plan.hit_end), self.tier_names[x.tier])
+                 for x in plan.loads]
+        cost = self.planner.plan(req_id, spans, st.n_tokens, computed)
+        if cost.chunks >= len(plan.loads):
+            return plan, cost
+        if cost.chunks == 0:
+            cut = None
+        else:
+            last = plan.loads[cost.chunks - 1].chunk
+            cut = HitPlan(last + 1, min(st.chunks[last].end, st.n_tokens - 1), plan.loads[:cost.chunks])
+        self.explain.chose_recompute(st.why, plan.loads[cost.chunks].chunk)
+        return cut, cost
 
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
         return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
@@ -277,6 +291,7 @@ class SchedulerSide:
                 c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size)
         self._loads.append(load)
         st.issued.extend(load.chunks)
+        self.planner.issued(request.request_id)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
         meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused))
@@ -284,6 +299,7 @@ class SchedulerSide:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
         while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
             del self._saving[next(iter(self._saving))]
@@ -342,9 +358,10 @@ class SchedulerSide:
                     view.reject_shared(c.key)
 
     def get_stats(self) -> Optional[TieredKVStats]:
-        """Prompt tokens computed since the last report, by cause (``cache.explain``); the
-        workers report the tiers' counters."""
-        counts = self.explain.take_counts()
+        """Prompt tokens computed since the last report, by cause (``cache.explain``), and
+        requests by the path the cost model chose (``cache.vllm.planner``); the workers
+        report the tiers' counters."""
+        counts = {**self.explain.take_counts(), **self.planner.stats()}
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:
@@ -367,4 +384,5 @@ class SchedulerSide:
         """Forget the request; returns the tokens it loaded per tier (for its output;
         after a failed load, as ``explain_finished`` recounted them)."""
         st = self.requests.pop(request.request_id, None)
+        self.planner.finished(request.request_id)
         return dict(st.loaded_tokens) if st else {}

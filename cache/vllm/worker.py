@@ -11,9 +11,12 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   queued (the writer waits for it, and ``step_begins`` orders the next forward pass
   after it). Settled saves go back to the scheduler with the next step's output
   (``take_settled``).
-- A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, or a shared-tier
-  read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline) fails its blocks
-  and every later block of the request; vLLM recomputes them. Hybrid models
+- A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
+  read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline, or not in place
+  by the load's deadline: the scheduler's cost model expected recomputing to be
+  faster by then) fails its blocks and every later block of the request; vLLM
+  recomputes them. Each load's time and each forward pass's go back to the scheduler
+  (``cache.vllm.load_costs``). Hybrid models
   (``cache.vllm.groups``: one copier per entry kind) load asynchronously only, and
   a failure fails the whole request (vLLM takes no block-level failures for several KV
   cache groups); vLLM recomputes it.
@@ -28,16 +31,19 @@ import logging
 import threading
 import time
 import warnings
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
 import torch
 
 from cache.assembly import writer_store
+from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
 from cache.keys import Namespace
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
+from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
 
@@ -63,6 +69,7 @@ class WorkerSide:
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
+        self.costs: Optional[LoadCosts] = None  # measurements for the cost model (once registered)
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -87,6 +94,7 @@ class WorkerSide:
                      len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
                      layout.dtype_name, layout.bytes_per_block(), self.store.describe())
             chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
+        self.costs = LoadCosts(time_steps=not self.copiers[0].cuda)
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
                 log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
@@ -102,11 +110,13 @@ class WorkerSide:
         self.store.timer = timer
 
     # -- loads -----------------------------------------------------------------
-    def step_begins(self) -> None:
+    def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
         """A step's metadata is bound, before its forward pass is launched: the compute
         stream waits for the copies of earlier saves (blocks they read may be reused)."""
         for copier in self.copiers:
             copier.fence()
+        if self.costs is not None:
+            self.costs.forward_began(meta.compute if meta is not None else None)
 
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
@@ -144,24 +154,38 @@ class WorkerSide:
             self._finished_loads.add(load.req_id)
 
     def _timed_load(self, load: LoadRequest, mark=None) -> set[int]:
-        if self._timer is None:
-            return self._load(load, mark)
         t = time.perf_counter()
-        failed = self._load(load, mark)
-        self._timer("load", time.perf_counter() - t, req=load.req_id, asynchronous=load.asynchronous,
-                    chunks=len(load.chunks), failed=len(failed))
+        read: dict[str, int] = {}  # bytes verified per tier
+        failed, cut = self._load(load, mark, read)
+        seconds = time.perf_counter() - t
+        if self.costs is not None:
+            self.costs.loaded(load, seconds, read, cut, bool(failed))
+        if self._timer is not None:
+            self._timer("load", seconds, req=load.req_id, asynchronous=load.asynchronous,
+                        chunks=len(load.chunks), failed=len(failed), cut_short=cut, estimate=load.estimate_s)
         return failed
 
-    def _load(self, load: LoadRequest, mark=None) -> set[int]:
-        """Fill the request's blocks chunk by chunk; returns the blocks that failed.
-        ``mark``: the compute stream's point the copies must follow (a load on its own
-        thread; see ``BlockCopier.compute_mark``)."""
+    def _load(self, load: LoadRequest, mark, read: dict[str, int]) -> tuple[set[int], bool]:
+        """Fill the request's blocks chunk by chunk; returns the blocks that failed, and
+        whether the load passed its deadline (``load.deadline_s``: the chunks not in place
+        by then fail, and vLLM recomputes them). ``mark``: the compute stream's point the
+        copies must follow (a load on its own thread; see ``BlockCopier.compute_mark``).
+        ``read`` gets the bytes verified per tier."""
         assert self.copiers
+        end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         # Reads and checksums run on the store's read threads, ahead of the copies here.
         futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
             copier = self.copiers[chunk.kind]
-            entry = futures[i].result()
+            try:
+                entry = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
+            except FutureTimeout:  # slower than recomputing: the rest is recomputed
+                for f in futures[i:]:
+                    f.cancel()  # (one already running ends on its own; its result is dropped)
+                log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
+                         "the rest is recomputed", load.req_id, load.deadline_s, i, len(load.chunks))
+                self._on_event(chunk.key, "recompute", "none")
+                return {b for c in load.chunks[i:] for b in c.block_ids}, True
             ok = entry is not None and entry.info.dtype == copier.layout.dtype_name
             if not ok:
                 self._on_event(chunk.key, "missing" if entry is None else "damaged",
@@ -178,13 +202,15 @@ class WorkerSide:
                         self._timer("scatter", time.perf_counter() - t)
                     self.store.note_loaded(entry.tier, chunk.tokens if chunk.tokens is not None
                                            else len(chunk.block_ids) * self.block_size)
+                    name = self.store.tier_names[entry.tier]
+                    read[name] = read.get(name, 0) + HEADER_SIZE + entry.payload.nbytes
                 except (ValueError, RuntimeError) as e:
                     log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
                     self._on_event(chunk.key, "damaged", self.store.tier_names[entry.tier])
                     ok = False
             if not ok:
-                return {b for c in load.chunks[i:] for b in c.block_ids}
-        return set()
+                return {b for c in load.chunks[i:] for b in c.block_ids}, False
+        return set(), False
 
     def get_finished(self) -> set[str]:
         with self._lock:
@@ -195,7 +221,10 @@ class WorkerSide:
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
-        return self._stats.take(self.store.counters(), {"all.enabled": 1, **self.store.levels()})
+        counters = self.store.counters()
+        if self.costs is not None:
+            counters.update(self.costs.totals())
+        return self._stats.take(counters, {"all.enabled": 1, **self.store.levels()})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -210,6 +239,8 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
+        if self.costs is not None:
+            self.costs.forward_ended()
         if not meta.saves or not self.copiers:
             return
         for chunk in meta.saves:
@@ -236,7 +267,8 @@ class WorkerSide:
         with self._lock:
             settled, self._settled = self._settled, []
             events, self._events = self._events, []
-        return TieredKVWorkerMetadata(settled, events) if settled or events else None
+        samples = self.costs.take() if self.costs is not None else []
+        return TieredKVWorkerMetadata(settled, events, samples) if settled or events or samples else None
 
     def shutdown(self) -> None:
         """Flush write-behind (new entries, publishes, copies to disk) within vLLM's worker

@@ -1,0 +1,85 @@
+"""Worker side of the cost model: what loads and forward passes took, for the scheduler.
+
+Runs in the vLLM worker process. ``forward_began``/``forward_ended`` are called on the
+forward thread around each step (``bind_connector_metadata`` .. ``wait_for_save``);
+``loaded`` on whichever thread ran a load (the forward thread for memory tiers, a load
+thread otherwise). Nothing here blocks: a lock around list appends.
+
+What it sends back (``take``, with the step's ``TieredKVWorkerMetadata``):
+- ``("load", tier, bytes, seconds)``: a load whose entries all came from one tier, read
+  whole and verified (a load cut short or failed says nothing about the tier's rate);
+- ``("step", tokens, attention pairs, seconds)``: a forward pass, less the time the
+  forward thread spent loading (``cache.cost.PrefillRate``). Only on the CPU, where the
+  forward pass has ended when ``wait_for_save`` runs; on CUDA kernels are still queued
+  then, so no step is timed there and the scheduler, lacking a prefill rate, loads every
+  hit (no cost-based choice).
+
+``totals`` (cumulative, for ``cache.vllm.metrics``): per load mode (``sync``, ``async``)
+the loads and their measured seconds; of the loads the cost model estimated, its
+estimate and their measured seconds; the loads cut short at their deadline (the rest
+of their prompt recomputed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from cache.vllm.metadata import LoadRequest
+
+
+class LoadCosts:
+    def __init__(self, time_steps: bool) -> None:
+        self.time_steps = time_steps
+        self._lock = threading.Lock()
+        self._samples: list[tuple] = []
+        self.counters: dict[str, float] = {}
+        self._began: Optional[float] = None
+        self._compute: Optional[tuple[int, float]] = None
+        self._loading = 0.0  # the forward thread's time in loads this step
+
+    # -- forward passes (forward thread) -----------------------------------------
+    def forward_began(self, compute: Optional[tuple[int, float]]) -> None:
+        self._began = time.perf_counter() if self.time_steps and compute and compute[0] else None
+        self._compute, self._loading = compute, 0.0
+
+    def forward_ended(self) -> None:
+        began, self._began = self._began, None
+        if began is None:
+            return
+        seconds = time.perf_counter() - began - self._loading
+        with self._lock:
+            self._samples.append(("step", self._compute[0], self._compute[1], max(0.0, seconds)))
+
+    # -- loads (any thread) ------------------------------------------------------
+    def loaded(self, load: LoadRequest, seconds: float, bytes_by_tier: dict[str, int], cut: bool,
+               failed: bool) -> None:
+        """A load ended after ``seconds``: ``bytes_by_tier`` read and verified; ``cut``:
+        stopped at its deadline; ``failed``: some chunk failed (missing, damaged)."""
+        mode = "async" if load.asynchronous else "sync"
+        with self._lock:
+            if not load.asynchronous:
+                self._loading += seconds
+            if len(bytes_by_tier) == 1 and not cut and not failed:
+                (tier, nbytes), = bytes_by_tier.items()
+                self._samples.append(("load", tier, nbytes, seconds))
+            self._add(f"load:{mode}.loads", 1)
+            self._add(f"load:{mode}.seconds", seconds)
+            if load.estimate_s is not None:
+                self._add(f"load:{mode}.estimated_seconds", load.estimate_s)
+                self._add(f"load:{mode}.estimated_actual_seconds", seconds)
+            if cut:
+                self._add(f"load:{mode}.cut_short", 1)
+
+    def _add(self, key: str, value: float) -> None:
+        self.counters[key] = self.counters.get(key, 0) + value
+
+    def take(self) -> list[tuple]:
+        with self._lock:
+            out, self._samples = self._samples, []
+        return out
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counters)

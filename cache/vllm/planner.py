@@ -1,0 +1,113 @@
+"""Scheduler side: decides what each hit loads, and how, from the costs measured online.
+
+Runs in vLLM's engine-core process, inside the scheduler loop (``plan`` once per lookup
+that hits: microseconds, no I/O). Learns from what the workers measure and send back
+with each step's output (``observe``): each finished load (tier, bytes, seconds) feeds
+that tier's ``cache.cost.TierRate``; each forward pass (tokens, attention pairs,
+seconds) feeds the engine's ``cache.cost.PrefillRate``. ``cache.cost.choose`` then picks,
+per request, how many of the chunks found to load (every one, a prefix, or none); a
+load from a memory tier runs before the forward pass, any other asynchronously while
+other requests run, with a deadline past which the rest is recomputed.
+
+Counts what it chose, per request and path, and the estimated and measured load times
+(the workers report the latter), for the connector's metrics (``stats``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from cache.cost import ChunkCost, Plan, PrefillRate, TierRate, attention_pairs, choose
+
+
+class LoadPlanner:
+    def __init__(self, tier_names: Sequence[str], synchronous: set[str], block_size: int,
+                 bytes_per_block: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        """``bytes_per_block``: KV bytes of one block, every layer, on one rank (0:
+        unknown, then every hit loads everything: no cost can be estimated)."""
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.synchronous = set(synchronous)
+        self.tiers = {name: TierRate(clock) for name in tier_names}
+        self.prefill = PrefillRate(clock)
+        self._decided: dict[str, Plan] = {}
+        self._issued: set[str] = set()
+        self._counts: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # -- deciding ------------------------------------------------------------------
+    def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int) -> Plan:
+        """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
+        as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``."""
+        b = self.block_size
+        if not self.bytes_per_block:  # unknown: load everything
+            sync = all(t in self.synchronous for _, _, t in spans)
+            plan = Plan(len(spans), len(spans), "sync" if sync else "async")
+        else:
+            # a load reads whole entries (the blocks of vLLM's own hit too)
+            chunks = [ChunkCost(s, e, tier, (-(-e // b) - s // b) * self.bytes_per_block) for s, e, tier in spans]
+            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, self.synchronous)
+        with self._lock:
+            self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
+        return plan
+
+    def issued(self, req_id: str) -> None:
+        """The request's load was sent to the workers: count its plan."""
+        with self._lock:
+            plan = self._decided.get(req_id)
+            if plan is None or req_id in self._issued:
+                return
+            self._issued.add(req_id)
+            self._count(plan)
+
+    def finished(self, req_id: str) -> None:
+        """The request is gone; a plan that loaded nothing is counted now."""
+        with self._lock:
+            plan = self._decided.pop(req_id, None)
+            if plan is not None and req_id not in self._issued and plan.path == "recompute":
+                self._count(plan)
+            self._issued.discard(req_id)
+
+    def _count(self, plan: Plan) -> None:
+        key = f"{plan.path}.requests"
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    # -- learning --------------------------------------------------------------------
+    def step_compute(self, scheduled: Sequence[tuple[int, int]]) -> Optional[tuple[int, float]]:
+        """This step's compute from (tokens computed before, tokens scheduled) per
+        request: total tokens and attention pairs, for the workers to time; None for a
+        step without prefill (decode steps alone would crowd the fit's window out and
+        say little about a prefill's per-token cost)."""
+        if not any(n > 1 for _, n in scheduled):
+            return None
+        return (sum(n for _, n in scheduled),
+                sum(attention_pairs(n, done) for done, n in scheduled))
+
+    def observe(self, samples: Sequence[tuple]) -> None:
+        """Measurements from the workers (``TieredKVWorkerMetadata.samples``)."""
+        for sample in samples:
+            if sample[0] == "load" and sample[1] in self.tiers:
+                _, tier, nbytes, seconds = sample[:4]
+                self.tiers[tier].observe(nbytes, seconds)
+            elif sample[0] == "step":
+                _, tokens, pairs, seconds = sample[:4]
+                self.prefill.observe(tokens, pairs, seconds)
+
+    # -- metrics ---------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counts since the last call, flat (``cache.vllm.metrics``: label ``plan``)."""
+        with self._lock:
+            out, self._counts = self._counts, {}
+        return {f"plan:{k}": v for k, v in out.items()}
+
+
+def bytes_per_block(kv_cache_config) -> int:
+    """KV bytes of one block of every layer on one rank (vLLM's ``KVCacheConfig``, one
+    KV cache group); 0 when it cannot be told (the planner then loads every hit)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return 0
+    page = getattr(groups[0].kv_cache_spec, "page_size_bytes", 0) or 0
+    return int(page) * len(groups[0].layer_names)
