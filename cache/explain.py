@@ -16,7 +16,7 @@ computed (``CAUSES``), with the tier concerned where one is::
 What the scheduler cannot see itself, the workers tell it: each worker's store reports
 what happens to each chunk (stored, evicted, refused, found damaged, a read past its
 deadline ...) as small events, shipped with the step's output (``TieredKVWorkerMetadata``).
-``Fates`` keeps the last event per chunk key, bounded (``MAX_RECORDS`` keys, oldest
+``Fates`` keeps the last event per chunk key and tier, bounded (``MAX_RECORDS`` keys, oldest
 forgotten first: a chunk beyond that horizon is explained as ``never_stored``). A
 second bounded record remembers, per salt-free chunk key, which salt (or LoRA adapter)
 last stored those tokens, so a miss that another tenant's entry would have served is
@@ -47,7 +47,8 @@ CAUSES = {                                      # why KV was computed instead
     "unsigned": "the entry was unsigned or signed with another KVCACHE_SIGNING_KEY",
     "writing": "its save was still being written (write-behind, or a publish to the shared tier)",
     "load_timeout": "its load from the shared tier ran past KVCACHE_SHARED_TIMEOUT_MS",
-    "shared_unreachable": "the shared tier was down or failed the call",
+    "shared_unreachable": "the shared tier was down or failed the call (a publish past its "
+                          "deadline too: it is abandoned)",
     "recompute": "chosen to recompute: the request said kvcache_load: false, or loading was "
                  "judged slower than computing",
     "after_miss": "stored, but an earlier chunk of the prompt was not: KV loads only as a prefix",
