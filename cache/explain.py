@@ -16,7 +16,7 @@ computed (``CAUSES``), with the tier concerned where one is::
 What the scheduler cannot see itself, the workers tell it: each worker's store reports
 what happens to each chunk (stored, evicted, refused, found damaged, a read past its
 deadline ...) as small events, shipped with the step's output (``TieredKVWorkerMetadata``).
-``Fates`` keeps the last event per chunk key, bounded (``MAX_RECORDS`` keys, oldest
+``Fates`` keeps the last event per chunk key and tier, bounded (``MAX_RECORDS`` keys, oldest
 forgotten first: a chunk beyond that horizon is explained as ``never_stored``). A
 second bounded record remembers, per salt-free chunk key, which salt (or LoRA adapter)
 last stored those tokens, so a miss that another tenant's entry would have served is
@@ -47,7 +47,8 @@ CAUSES = {                                      # why KV was computed instead
     "unsigned": "the entry was unsigned or signed with another KVCACHE_SIGNING_KEY",
     "writing": "its save was still being written (write-behind, or a publish to the shared tier)",
     "load_timeout": "its load from the shared tier ran past KVCACHE_SHARED_TIMEOUT_MS",
-    "shared_unreachable": "the shared tier was down or failed the call",
+    "shared_unreachable": "the shared tier was down or failed the call (a publish past its "
+                          "deadline too: it is abandoned)",
     "recompute": "chosen to recompute: the request said kvcache_load: false, or loading was "
                  "judged slower than computing",
     "after_miss": "stored, but an earlier chunk of the prompt was not: KV loads only as a prefix",
@@ -57,6 +58,8 @@ STORED = "stored"     # a worker event that is no cause: the chunk is on that ti
 PUBLISHING = "publishing"   # queued for the shared tier (explained as "writing")
 MISSING = "missing"   # a load found the chunk on no tier (explained as "evicted")
 MAX_RECORDS = 32768   # chunk keys remembered, per record (256-token chunks: 8M tokens)
+REJECTED = ("damaged", "unsigned")   # a tier found the entry bad and dropped it
+SHARED_FAILED = ("shared_unreachable", "load_timeout", MISSING)   # a fallback read came to nothing
 
 
 class Bounded(OrderedDict):
@@ -74,24 +77,43 @@ class Bounded(OrderedDict):
 
 
 class Fates:
-    """The last thing a worker reported about each chunk key: ``(event, tier)``."""
+    """What a worker last reported about each chunk key on each tier: ``get`` the latest
+    ``(event, tier)``, ``on`` the latest event of one tier (a load planned from DRAM
+    that found its entry unsigned is explained by that, whatever the shared tier it fell
+    back to answered next)."""
 
     def __init__(self, limit: int = MAX_RECORDS) -> None:
-        self.last = Bounded(limit)
+        self.last = Bounded(limit)   # key -> ((event, tier), ...): one per tier, latest last
 
     def apply(self, events: Iterable[tuple[str, str, str]]) -> None:
         """``(key, event, tier)`` in the order a worker saw them. ``missing`` (a load found
         nothing) overwrites only ``stored``/``publishing``: a known reason stays."""
         for key, event, tier in events:
-            if event == MISSING and self.last.get(key, (STORED,))[0] not in (STORED, PUBLISHING):
+            if event == MISSING and self.get(key, (STORED,))[0] not in (STORED, PUBLISHING):
                 continue
-            self.last.put(key, (event, tier))
+            self.note(key, event, tier)
 
-    def get(self, key: str) -> Optional[tuple[str, str]]:
-        return self.last.get(key)
+    def get(self, key: str, default=None) -> Optional[tuple[str, str]]:
+        fates = self.last.get(key)
+        return fates[-1] if fates else default
+
+    def on(self, key: str, tier: str) -> Optional[str]:
+        """The latest event about ``key`` on ``tier``."""
+        return next((e for e, t in reversed(self.last.get(key, ())) if t == tier), None)
+
+    def rejected(self, key: str) -> Optional[tuple[str, str]]:
+        """``(event, tier)`` of the tier that last dropped ``key``'s entry as damaged or
+        unsigned, when nothing but the shared tier's failures came after (a read falls
+        back to the shared tier once a local copy is rejected)."""
+        for event, tier in reversed(self.last.get(key, ())):
+            if event in REJECTED:
+                return event, tier
+            if event not in SHARED_FAILED:
+                return None
+        return None
 
     def note(self, key: str, event: str, tier: str = NO_TIER) -> None:
-        self.last.put(key, (event, tier))
+        self.last.put(key, tuple(f for f in self.last.get(key, ()) if f[1] != tier) + ((event, tier),))
 
 
 def salt_tag(salt: str) -> str:
@@ -112,6 +134,7 @@ class Lookup:
     plain: list[str] = field(default_factory=list)  # salt-free keys (salted requests)
     save: bool = True                         # the request lets its chunks be stored
     failed: Optional[str] = None              # first chunk whose load failed
+    failure: tuple[str, str] = ("evicted", NO_TIER)  # why it failed: (cause, tier)
     recompute_from: Optional[int] = None      # first chunk chosen to recompute
 
 
@@ -163,6 +186,9 @@ class Explainer:
         fate = self.fates.get(key)
         if fate is not None and fate[0] == PUBLISHING:
             return "writing", "shared"
+        rejected = self.fates.rejected(key)
+        if rejected is not None:  # known, whether or not the shared tier could have served it
+            return rejected
         if shared_down:
             return "shared_unreachable", "shared"
         if fate is not None:
@@ -175,11 +201,14 @@ class Explainer:
             return "other_namespace", NO_TIER
         return "never_stored", NO_TIER
 
-    @staticmethod
-    def load_failed(look: Optional[Lookup], key: str) -> None:
-        """The load of chunk ``key`` (and so of every later chunk) failed."""
+    def load_failed(self, look: Optional[Lookup], key: str) -> None:
+        """The load of chunk ``key`` (and so of every later chunk) failed. Call it once the
+        events of the step that reported the failure are applied: the cause is read now,
+        before the recompute stores the chunk again."""
         if look is not None and look.failed is None:
             look.failed = key
+            i = next((i for i, c in enumerate(look.chunks) if c[0] == key), len(look.found))
+            look.failure = self._failure(key, look.found[i] if i < len(look.found) else NO_TIER)
 
     @staticmethod
     def chose_recompute(look: Optional[Lookup], chunk_index: int) -> None:
@@ -213,8 +242,7 @@ class Explainer:
             elif i < len(look.found) and look.recompute_from is not None and i >= look.recompute_from:
                 add(start, end, "recompute", NO_TIER, False)
             elif i < len(look.found):   # its load failed, or an earlier one did
-                add(start, end, *(self._failure(key, look.found[i]) if i == failed_at
-                                  else ("after_miss", NO_TIER)), False)
+                add(start, end, *(look.failure if i == failed_at else ("after_miss", NO_TIER)), False)
             else:
                 add(start, end, *look.misses[i - len(look.found)], False)
         self._remember(look)
@@ -228,6 +256,12 @@ class Explainer:
         return out
 
     def _failure(self, key: str, planned: str) -> tuple[str, str]:
+        """Why the load of ``key`` from tier ``planned`` failed: what that tier said of it
+        (the tiers the read fell back to answer later, and less to the point), else the
+        latest word on it; ``evicted`` when the entry was simply gone."""
+        on_planned = self.fates.on(key, planned)
+        if on_planned not in (None, STORED, PUBLISHING):
+            return on_planned, planned
         fate = self.fates.get(key)
         if fate is None or fate[0] in (STORED, MISSING, PUBLISHING):
             return "evicted", planned   # gone between the lookup and the load

@@ -179,6 +179,37 @@ def test_writing_recompute_and_shared_down(setup):
     assert [r["computed"] for r in ex.finished(look)] == ["recompute", "writing", "load_timeout"]
 
 
+def test_a_failed_load_says_what_its_planned_tier_found():
+    """DRAM's copy was unsigned; the read fell back to a shared tier that was down; the
+    recompute stored the chunk again before the request finished. The request was
+    computed because of the unsigned copy, and says so."""
+    ex = Explainer(b"c" * 16, CHUNK, "dram")
+    chunks = [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 599)]
+    ex.worker_events([("k0", "stored", "dram"), ("k1", "stored", "dram")])
+    look = ex.looked_up(list(range(600)), 0, chunks, ["dram", "dram"], {})
+    ex.worker_events([("k0", "unsigned", "dram"), ("k0", "shared_unreachable", "shared")])
+    ex.load_failed(look, "k0")
+    ex.worker_events([("k0", "stored", "dram"), ("k0", "shared_unreachable", "shared")])
+    assert [(r["computed"], r.get("tier")) for r in ex.finished(look)] == [
+        ("unsigned", "dram"), ("after_miss", None), ("never_stored", None)]
+    # a load planned from the shared tier is explained by what that tier did
+    look = ex.looked_up(list(range(600)), 0, chunks[1:], ["shared"], {})
+    ex.worker_events([("k1", "load_timeout", "shared"), ("k1", "missing", "none")])
+    ex.load_failed(look, "k1")
+    assert ex.finished(look)[0] == {"tokens": [256, 512], "computed": "load_timeout", "tier": "shared"}
+
+
+def test_a_rejected_copy_explains_a_miss_while_the_shared_tier_is_down():
+    down = Explainer(b"c" * 16, CHUNK, "dram", shared_up=lambda: False)
+    down.worker_events([("k0", "damaged", "dram"), ("k0", "shared_unreachable", "shared"),
+                        ("k1", "stored", "dram"), ("k1", "evicted", "dram"),
+                        ("k2", "unsigned", "dram"), ("k2", "stored", "disk"), ("k2", "evicted", "disk")])
+    look = down.looked_up(list(range(800)), 0, [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 768)], [], {})
+    # k1 and k2 were lost to eviction: the shared tier, were it up, might have served them
+    assert look.misses == [("damaged", "dram"), ("shared_unreachable", "shared"),
+                           ("shared_unreachable", "shared")]
+
+
 def test_records_are_bounded():
     ex = Explainer(b"c" * 16, CHUNK, "dram", limit=100)
     ex.worker_events([(f"k{i}", "evicted", "dram") for i in range(1000)])

@@ -54,10 +54,13 @@ def engines(model_path, tmp_path_factory):
         prompt(U), {"sleep": 1.0}, {"unsign": [dram]}, prompt(U),                # 14 15 16
         prompt(X), {"sleep": 1.0}, {"corrupt": [dram]}, prompt(X),               # 17 18 19
     ]})
-    # 9 KiB/s: one 512 KiB chunk holds the link ~60 s, far past the 3 s deadline
+    # 9 KiB/s: one 512 KiB chunk holds the link ~60 s, far past the 15 s deadline. The
+    # deadline is what keeps the first W's publish in flight until W comes back: once it
+    # passes, the publish is abandoned (its temporary file removed), a failed call of the
+    # shared tier. 15 s leaves room for a slow first request (4 s seen on a busy machine).
     two = run_engine({"model": model_path, "prefix_caching": False, "cache": {
         **KEY, "KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_DISK_PATH": str(tmp / "disk2"),
-        "KVCACHE_SHARED_URL": f"file://{kept}", "KVCACHE_SHARED_TIMEOUT_MS": "3000",
+        "KVCACHE_SHARED_URL": f"file://{kept}", "KVCACHE_SHARED_TIMEOUT_MS": "15000",
         "KVCACHE_SHARED_BANDWIDTH": "9KiB"}, "steps": [prompt(W), prompt(W), prompt(A)]})
     return one, two
 

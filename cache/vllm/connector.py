@@ -183,13 +183,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
+        # The chunk events first: a failed load is explained by what its step reported.
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, TieredKVWorkerMetadata):
+            self.scheduler_side.explain.worker_events(worker_meta.events)
         if connector_output.invalid_block_ids:
             self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
         if getattr(connector_output, "failed_recving", None):
             self.scheduler_side.requests_failed(set(connector_output.failed_recving))
-        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, TieredKVWorkerMetadata):
-            self.scheduler_side.explain.worker_events(worker_meta.events)
             self.scheduler_side.saves_settled(worker_meta.settled)
             self.scheduler_side.planner.observe(worker_meta.samples)
 
