@@ -112,6 +112,8 @@ class TieredStore:
         # ``on_event(key, event, tier)``: what happened to a chunk (stored, evicted,
         # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
         self.on_event: Optional[Callable[[str, str, str], None]] = None
+        # Pinned prefixes (a ``cache.pins.PinBook``; ``held(key)``): eviction passes them over.
+        self.pins = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -317,6 +319,22 @@ class TieredStore:
         if start:
             self._submit(self._drain_publishes, executor=self._publisher)
 
+    def share(self, key: str) -> None:
+        """Publish ``key``'s local entry to the shared tier now, whatever the admission rule
+        (a pinned prefix; ``cache.pins``). Returns at once; nothing if no local tier has it."""
+        if self.shared is not None and self._writer is not None:
+            self._submit(self._share_local, key)
+
+    def _share_local(self, key: str) -> None:
+        for tier in self.tiers[: self.n_local]:
+            try:
+                raw = tier.read(key)
+                decode(raw, self.namespace, key, self.signing_key)  # others will trust it
+            except (KeyError, CorruptEntry):
+                continue
+            self._publish(key, [raw])
+            return
+
     def _drain_publishes(self) -> None:
         """Write queued entries to the shared tier, a batch at a time, in queue order
         (parents before children)."""
@@ -416,27 +434,40 @@ class TieredStore:
             st.rejected += 1
             self._note(key, "not_admitted", tier.name)
             return False
+        pinned = self._pinned(key)
         with self._lock:
-            admitted = policy.admit(key, parent, nbytes)
+            admitted = policy.admit(key, parent, nbytes) or pinned
         if not admitted:
             st.rejected += 1
             self._note(key, "not_admitted", tier.name)
             return False
-        rescanned = False
-        while not tier.reserve(nbytes, key):
+        rescanned, kept = False, []  # kept: pinned victims passed over (cache.pins)
+        try:
+            while not tier.reserve(nbytes, key):
+                with self._lock:
+                    victim = policy.victim()
+                    if victim is not None:
+                        policy.remove(victim)
+                if victim is None and kept and i + 1 < self.n_local and self._demote_pinned(i, kept[0]):
+                    kept.pop(0)  # only pinned entries were left: the oldest went down a tier
+                    continue
+                if victim is None:
+                    if rescanned:   # still full of entries we cannot evict: skip this write
+                        st.rejected += 1
+                        self._note(key, "not_admitted", tier.name)
+                        return False
+                    self._adopt(i, skip=kept)
+                    rescanned = True
+                    continue
+                if self._pinned(victim):
+                    kept.append(victim)
+                    continue
+                self._evict(i, victim)
+        finally:
             with self._lock:
-                victim = policy.victim()
-                if victim is not None:
-                    policy.remove(victim)
-            if victim is None:
-                if rescanned:   # still full of entries we cannot evict: skip this write
-                    st.rejected += 1
-                    self._note(key, "not_admitted", tier.name)
-                    return False
-                self._adopt(i)
-                rescanned = True
-                continue
-            self._evict(i, victim)
+                for k in kept:
+                    if k not in policy:
+                        policy.insert(k, None, nbytes)
         try:
             published = tier.write(key, parts, nbytes)
         except Exception as e:
@@ -481,6 +512,25 @@ class TieredStore:
         elif self._store(i + 1, victim, info.parent, [raw]):
             self.stats.tiers[tier.name].demotions += 1
 
+    def _pinned(self, key: str) -> bool:
+        """Whether ``key`` is pinned now (``cache.pins``): never evicted, only demoted."""
+        return self.pins is not None and self.pins.held(key)
+
+    def _demote_pinned(self, i: int, key: str) -> bool:
+        """Move a pinned entry from local tier ``i`` to the next one: stored there first,
+        removed here only then (a pinned entry is never dropped)."""
+        tier, below = self.tiers[i], self.tiers[i + 1]
+        try:
+            raw = tier.read(key)
+            parent = read_header(raw, self.namespace, key).parent
+        except (KeyError, CorruptEntry):
+            return True   # gone meanwhile, or damaged: nothing to keep
+        if not (below.contains(key) or self._store(i + 1, key, parent, [raw])):
+            return False
+        tier.delete(key)
+        self.stats.tiers[tier.name].demotions += 1
+        return True
+
     def _note(self, key: str, event: str, tier: str) -> None:
         if self.on_event is not None:
             self.on_event(key, event, tier)
@@ -490,11 +540,12 @@ class TieredStore:
             with self._lock:
                 self.policies[i].remove(key)
 
-    def _adopt(self, i: int) -> None:
-        """Teach tier ``i``'s policy the entries already there (restart, other engines)."""
+    def _adopt(self, i: int, skip: Sequence[str] = ()) -> None:
+        """Teach tier ``i``'s policy the entries already there (restart, other engines),
+        but those in ``skip``."""
         for key, size in self.tiers[i].scan():
             with self._lock:
-                if key not in self.policies[i]:
+                if key not in self.policies[i] and key not in skip:
                     self.policies[i].insert(key, None, size)
 
     def hint_upcoming(self, keys: Sequence[str]) -> None:

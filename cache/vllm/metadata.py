@@ -33,6 +33,7 @@ class ChunkIO:
     # its KV cache groups back to back in ``block_ids`` (the same count per group).
     kind: int = 0
     tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
+    shared: bool = False          # a save to publish to the shared tier at once (a pin)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TieredKVMetadata(KVConnectorMetadata):
     saves: list[ChunkIO] = field(default_factory=list)
     # Chunks that requests waiting in the queue will load soon: the policies protect them.
     upcoming: list[str] = field(default_factory=list)
+    # Pinned chunks to publish to the shared tier now, if a local tier holds them (cache.pins).
+    publish: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from cache.vllm.groups import GroupLayout, checkpoints, null_block, window_chunk
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
+from cache.vllm.pinning import Pinner
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -108,8 +109,9 @@ class RequestState:
 class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
-                 retention_interval: Optional[int] = 0) -> None:
+                 retention_interval: Optional[int] = 0, pinner: Optional[Pinner] = None) -> None:
         self.config = config
+        self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -189,6 +191,8 @@ class SchedulerSide:
             return 0, False
         st = self._state(request)
         st.pending_load = None
+        if self.pinner is not None:
+            self.pinner.offer(request, st.chunks, st.n_tokens)
         if not self._wants(request, "load"):
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
@@ -273,7 +277,8 @@ class SchedulerSide:
         st.issued.extend(load.chunks)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming))
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming),
+                                publish=self.pinner.take_publish() if self.pinner else [])
         self._loads, self._upcoming = [], {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
@@ -303,7 +308,8 @@ class SchedulerSide:
                     ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
                     if ids is None:
                         continue  # vLLM freed part of the window (never expected): a future miss
-                    meta.saves.append(ChunkIO(key, parent, ids, kind=k))
+                    meta.saves.append(ChunkIO(key, parent, ids, kind=k,
+                                              shared=bool(self.pinner and self.pinner.shares(key))))
                     self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
 

@@ -111,6 +111,8 @@ class WorkerSide:
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         if meta.upcoming:
             self.store.hint_upcoming(meta.upcoming)
+        for key in meta.publish:  # pinned chunks (cache.pins), on the writer thread
+            self.store.share(key)
         mark = None
         for load in meta.loads:
             if load.asynchronous:
@@ -216,8 +218,8 @@ class WorkerSide:
             # waits for it (ready), the next step's forward pass too (step_begins).
             host, ready = copier.gather_async(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
-                           host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled,
-                           ready=ready)
+                           host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
+                           on_done=self._on_settled, ready=ready)
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
