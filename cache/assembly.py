@@ -3,7 +3,8 @@
 - ``lookup_view``: the vLLM scheduler's lookup-only view of one rank's tiers (no threads,
   no policies);
 - ``writer_store``: a vLLM worker's store (also the benchmarks' and tools'): I/O threads
-  and one policy per local tier, the last local tier's policy judging admission;
+  and one policy per local tier, the last local tier's policy judging admission, and the
+  pins of the last local tier's folder (``pin_book``, ``cache.pins``);
 - ``validate``: what the configuration cannot check itself, because the names live in
   registries here (policies, shared admission modes) and the shared URL's filesystem in
   ``cache.tiers.transport``. The server calls it at start-up (a bad setting exits 2
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 
 from cache.config import CacheConfig, ConfigError
 from cache.keys import Namespace
+from cache.pins import PinBook
 from cache.policy import POLICIES, make_policy
 from cache.admission import SharedAdmission
 from cache.store import TieredStore
@@ -77,6 +79,17 @@ def writer_store(config: CacheConfig, namespace: Namespace, *,
     are final, so its policy also judges admission."""
     specs = config.tiers()
     policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
-    return TieredStore(build_tiers(config, namespace.id), namespace.digest, policies,
-                       signing_key=config.signing_key.encode(), io_threads=config.io_threads,
-                       shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer)
+    store = TieredStore(build_tiers(config, namespace.id), namespace.digest, policies,
+                        signing_key=config.signing_key.encode(), io_threads=config.io_threads,
+                        shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer)
+    store.pins = pin_book(config, namespace.id)
+    return store
+
+
+def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:
+    """The pins of the last local tier's folder (``cache.pins``), None without a local tier;
+    ``namespace_id``: the namespace whose pins ``held`` answers for."""
+    last = [s for s in config.tiers() if s.last_local]
+    if not last:
+        return None
+    return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id)

@@ -59,7 +59,7 @@ SETTINGS = (
     "KVCACHE_DISK_SIZE", "KVCACHE_SHARED_URL", "KVCACHE_SHARED_TIMEOUT_MS",
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
-    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS",
+    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX",
 )
 DEPRECATED = {
     "KVCACHE_CPU_PATH": "KVCACHE_DRAM_PATH",
@@ -118,6 +118,9 @@ class CacheConfig:
     policy: str = "prefix-adaptive"
     # Background threads that load misses from the slower tiers.
     io_threads: int = 2
+    # Share (0..1) of the last local tier that pinned prefixes may hold (cache.pins); a pin
+    # past it is refused. 0: pins are refused.
+    pin_max: float = 0.5
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
     signing_key: str = field(default="", repr=False)
@@ -223,6 +226,20 @@ def _positive_int(r: _Reader, name: str, default: int) -> int:
     return int(text)
 
 
+def _fraction(r: _Reader, name: str, default: float) -> float:
+    """A share between 0 and 1: ``0.5`` or ``50%``."""
+    text = r.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name}={text!r} must be a share between 0 and 1 (0.5, or 50%)")
+    return value
+
+
 def _bool(r: _Reader, name: str, default: bool) -> bool:
     text = r.get(name)
     if text is None:
@@ -259,6 +276,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
     io_threads = _positive_int(r, "KVCACHE_IO_THREADS", d.io_threads)
     policy = r.get("KVCACHE_POLICY") or d.policy
+    pin_max = _fraction(r, "KVCACHE_PIN_MAX", d.pin_max)
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
@@ -266,7 +284,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        disk_path=disk_path, disk_bytes=disk_bytes, shared_url=url, curvine_conf=conf,
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
-                       signing_key=signing_key, notes=tuple(notes))
+                       pin_max=pin_max, signing_key=signing_key, notes=tuple(notes))
 
 
 def _disk_bytes(size_text: str, path: str) -> int:

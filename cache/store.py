@@ -121,6 +121,8 @@ class TieredStore:
         # ``on_event(key, event, tier)``: what happened to a chunk (stored, evicted,
         # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
         self.on_event: Optional[Callable[[str, str, str], None]] = None
+        # Pinned prefixes (a ``cache.pins.PinBook``; ``held(key)``): eviction passes them over.
+        self.pins = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -334,6 +336,22 @@ class TieredStore:
         if start:
             self._submit(self._drain_publishes, executor=self._publisher)
 
+    def share(self, key: str) -> None:
+        """Publish ``key``'s local entry to the shared tier now, whatever the admission rule
+        (a pinned prefix; ``cache.pins``). Returns at once; nothing if no local tier has it."""
+        if self.shared is not None and self._writer is not None:
+            self._submit(self._share_local, key)
+
+    def _share_local(self, key: str) -> None:
+        for tier in self.tiers[: self.n_local]:
+            try:
+                raw = tier.read(key)
+                decode(raw, self.namespace, key, self.signing_key)  # others will trust it
+            except (KeyError, CorruptEntry):
+                continue
+            self._publish(key, [raw])
+            return
+
     def _drain_publishes(self) -> None:
         """Write queued entries to the shared tier, a batch at a time, in queue order
         (parents before children)."""
@@ -470,6 +488,7 @@ class TieredStore:
             return False
 
         def write() -> bool:
+            restore_kept()  # before the new entry, which the policy inserts after the write
             try:
                 published = tier.write(key, parts, nbytes)
             except Exception as e:
@@ -478,13 +497,36 @@ class TieredStore:
             self.faults.succeeded(tier.name)
             return published
 
+        kept: list[str] = []  # pinned victims passed over (cache.pins), back in the policy after
+
+        def restore_kept() -> None:
+            with self._lock:
+                for k in kept:
+                    if k not in policy:
+                        policy.insert(k, None, nbytes)
+
+        def evict(victim: str) -> None:
+            if self._pinned(victim):
+                kept.append(victim)
+            else:
+                self._evict(i, victim)
+
+        def exhausted() -> bool:  # only pinned entries were left: the oldest goes down a tier
+            if kept and i + 1 < self.n_local and self._demote_pinned(i, kept[0]):
+                kept.pop(0)
+                return True
+            return False
+
         try:
             outcome = policy.offer(key, parent, nbytes, reserve=lambda: tier.reserve(nbytes, key),
-                                   evict=lambda victim: self._evict(i, victim), write=write,
-                                   lock=self._lock, rescan=lambda: self._adopt(i))
+                                   evict=evict, write=write, lock=self._lock,
+                                   rescan=lambda: self._adopt(i, skip=kept), force=self._pinned(key),
+                                   exhausted=exhausted)
         except Exception as e:  # the folder unusable (read-only, I/O error ...): a failed write
             self._failed(tier, "writing", key, e)
             return False
+        finally:
+            restore_kept()
         if outcome in (Offer.REFUSED, Offer.NO_ROOM):
             st.rejected += 1
             self._note(key, "not_admitted", tier.name)
@@ -525,6 +567,25 @@ class TieredStore:
         elif self._store(i + 1, victim, info.parent, [raw]):
             self.stats.tiers[tier.name].demotions += 1
 
+    def _pinned(self, key: str) -> bool:
+        """Whether ``key`` is pinned now (``cache.pins``): never evicted, only demoted."""
+        return self.pins is not None and self.pins.held(key)
+
+    def _demote_pinned(self, i: int, key: str) -> bool:
+        """Move a pinned entry from local tier ``i`` to the next one: stored there first,
+        removed here only then (a pinned entry is never dropped)."""
+        tier, below = self.tiers[i], self.tiers[i + 1]
+        try:
+            raw = tier.read(key)
+            parent = read_header(raw, self.namespace, key).parent
+        except (KeyError, CorruptEntry):
+            return True   # gone meanwhile, or damaged: nothing to keep
+        if not (below.contains(key) or self._store(i + 1, key, parent, [raw])):
+            return False
+        tier.delete(key)
+        self.stats.tiers[tier.name].demotions += 1
+        return True
+
     def _note(self, key: str, event: str, tier: str) -> None:
         if self.on_event is not None:
             self.on_event(key, event, tier)
@@ -534,11 +595,12 @@ class TieredStore:
             with self._lock:
                 self.policies[i].remove(key)
 
-    def _adopt(self, i: int) -> None:
-        """Teach tier ``i``'s policy the entries already there (restart, other engines)."""
+    def _adopt(self, i: int, skip: Sequence[str] = ()) -> None:
+        """Teach tier ``i``'s policy the entries already there (restart, other engines),
+        but those in ``skip``."""
         for key, size in self.tiers[i].scan():
             with self._lock:
-                if key not in self.policies[i]:
+                if key not in self.policies[i] and key not in skip:
                     self.policies[i].insert(key, None, size)
 
     def hint_upcoming(self, keys: Sequence[str]) -> None:

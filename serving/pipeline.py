@@ -8,7 +8,8 @@ and the ``/v1/...`` routes alike:
    ``CompletionRequest``; a TGI body is translated to a completion first; a pooling
    body to vLLM's pooling models). Anything raised here is the request's fault (400,
    ``serving.errors``); then our own rules: chat roles OpenAI knows, ``n`` at most
-   ``SERVING_MAX_N``;
+   ``SERVING_MAX_N``, a pin asked for by ``cache_control`` or ``kv_transfer_params``
+   (``serving.cache_control``; a message's ``cache_control`` is taken out first);
 3. vLLM's serving layer runs it. A non-streamed request is awaited while watching for
    the client leaving (vLLM aborts it), ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (504) and the
    drain deadline (503). A non-streamed answer carries the opt-in ``X-Kvcache-Explain``
@@ -30,6 +31,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serving.cache_control import apply_chat_pin, check_pin_params, take_cache_control
 from serving.errors import ClientError, error_body, error_response, response_for
 from serving.explain import explain_headers
 from serving.tgi import TgiRequest, TgiStream, completion_to_tgi, parse_tgi, sse, tgi_to_completion
@@ -97,18 +99,23 @@ def _prepare(app, shape: str, payload: dict):
     body = dict(payload)
     if body.get("model") is None:
         body["model"] = served
+    chat_pin = None
     if shape == "chat":
+        chat_pin = take_cache_control(body)  # a message's cache_control (serving.cache_control)
         req = ChatCompletionRequest.model_validate(body)
         _check_roles(req.messages)
         handler = engine.chat.create_chat_completion
     else:
         req = CompletionRequest.model_validate(body)
         handler = engine.completion.create_completion
+    check_pin_params(req.kv_transfer_params, chat_pin)
     max_n = app.config.http.max_n
     if (req.n or 1) > max_n:
         raise ClientError(f"n={req.n} is above this server's maximum of {max_n} (SERVING_MAX_N)")
 
     async def call(raw: Request):
+        if chat_pin is not None:
+            await apply_chat_pin(engine.chat, req, chat_pin)
         return await handler(req, raw)
 
     return call, tgi, bool(req.stream)

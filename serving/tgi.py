@@ -45,6 +45,9 @@ class TgiParameters(BaseModel):
     # vLLM's per-request cache salt: the prompt's cached KV is shared only with requests
     # that carry the same salt (the tiered cache keys by it too).
     cache_salt: Optional[str] = Field(None, min_length=1)
+    # vLLM's per-request connector options, e.g. a pin: {"kvcache_pin_ttl": 3600}
+    # (serving.cache_control).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class TgiRequest(BaseModel):
@@ -95,6 +98,8 @@ def tgi_to_completion(req: TgiRequest, model: str) -> dict:
         body["truncate_prompt_tokens"] = p.truncate
     if p.cache_salt:
         body["cache_salt"] = p.cache_salt
+    if p.kv_transfer_params:
+        body["kv_transfer_params"] = p.kv_transfer_params
     return body
 
 

@@ -209,6 +209,7 @@ def main() -> None:
                 "num_cached_tokens": out.num_cached_tokens,
                 "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
                 "explain": (out.kv_transfer_params or {}).get("kvcache_explain", []),
+                "pin": (out.kv_transfer_params or {}).get("kvcache_pin"),
             }), flush=True)
 
 

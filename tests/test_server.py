@@ -409,6 +409,9 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
     ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
     ({"inputs": "x", "parameters": {"cache_salt": ""}}, 400, "cache_salt"),
+    ({"messages": [{"role": "user", "content": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+     400, "not a cache lifetime"),
+    ({"prompt": "x", "kv_transfer_params": {"kvcache_pin_ttl": -1}}, 400, "kvcache_pin_ttl"),
     ({"prompt": "a" * 5000, "max_tokens": 4}, 400, "maximum context length"),
     ({"inputs": "a" * 5000}, 400, "maximum context length"),
 ])
@@ -468,6 +471,27 @@ def test_cache_salt_through_invocations(server):
     assert loaded(cache_salt="tenant-b") == 0
     assert loaded() == 0
     assert loaded(cache_salt="tenant-a") >= 1024
+
+
+@engine
+def test_cache_control_pins_a_chat_prefix_and_publishes_it(server):
+    """A system message marked with ``cache_control`` pins the prompt up to it: the answer
+    says how many tokens (whole chunks of the system prompt as vLLM's chat template renders
+    it), the pin is in the disk tier's pin file, and its chunks are on the shared tier."""
+    system = "".join(chr(97 + (i * 7) % 26) for i in range(700))
+    r = server.post({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": system,
+                                        "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+        {"role": "user", "content": "What now?"}], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    pin = r.json()["kv_transfer_params"]["kvcache_pin"]
+    assert pin["pinned"] and pin["tier"] == "disk" and pin["ttl_s"] == 3600 and pin["tokens"] == 512, pin
+    pins = json.loads((server.tiers / "disk" / ".pins").read_text())["pins"]
+    keys = next(p["keys"] for p in pins if p["tokens"] == 512 and len(p["keys"]) == pin["chunks"])
+    deadline = time.monotonic() + 10
+    while not all(list((server.tiers / "l3" / "kv").rglob(k)) for k in keys):
+        assert time.monotonic() < deadline, "pinned chunks not published to the shared tier"
+        time.sleep(0.2)
 
 
 @engine

@@ -116,6 +116,8 @@ class EvictionPolicy(ABC):
         write: Optional[Callable[[], bool]] = None,
         lock: ContextManager = _UNLOCKED,
         rescan: Optional[Callable[[], None]] = None,
+        force: bool = False,
+        exhausted: Optional[Callable[[], bool]] = None,
     ) -> Offer:
         """Store ``key`` in the tier if admitted: admit -> evict until room -> insert.
 
@@ -123,11 +125,14 @@ class EvictionPolicy(ABC):
         takes victim ``v`` out of the tier (delete, demote) after the policy forgot it;
         ``write()`` stores the entry (True once published); ``rescan()`` is called once
         when the policy has no victim left but the tier is still full (entries it never
-        saw, e.g. written by another process), so it can be taught them. Policy calls
-        run under ``lock``; ``reserve``, ``evict``, ``write`` and ``rescan`` outside it.
+        saw, e.g. written by another process), so it can be taught them. ``force``: the
+        caller admits the entry whatever the policy says (a pinned prefix); ``exhausted()``
+        is asked first when the policy has no victim left, True when it made room some
+        other way (the loop then tries again). Policy calls run under ``lock``; the
+        callbacks outside it.
         """
         with lock:
-            if not self.admit(key, parent, size):
+            if not self.admit(key, parent, size) and not force:
                 return Offer.REFUSED
         rescanned = rescan is None
         while not reserve():
@@ -135,6 +140,8 @@ class EvictionPolicy(ABC):
                 victim = self.victim()
                 if victim is not None:
                     self.remove(victim)
+            if victim is None and exhausted is not None and exhausted():
+                continue
             if victim is None:
                 if rescanned:
                     return Offer.NO_ROOM

@@ -1,7 +1,8 @@
 """Where entries live in a tier folder, local or shared: one layout for every tier.
 
     ROOT/.usage                      bytes held by the whole folder (local tiers; 8 bytes, LE)
-    ROOT/.lock                       the folder lock that guards ``.usage`` (local tiers)
+    ROOT/.lock                       the folder lock that guards ``.usage`` and ``.pins`` (local tiers)
+    ROOT/.pins                       pinned prefixes (``cache.pins``; the last local tier), JSON
     ROOT/<namespace>/<key[:2]>/<key> one entry (``cache.codec``), write-once
     ROOT/<namespace>/<key[:2]>/<key>.tmp-HOST-PID-CLAIMED-RAND
                                      an entry being written, published by a link or rename
@@ -23,6 +24,7 @@ from typing import Optional
 
 USAGE_FILE = ".usage"
 LOCK_FILE = ".lock"
+PINS_FILE = ".pins"
 USAGE = struct.Struct("<q")
 TMP_MARK = ".tmp-"
 _KEY = re.compile(r"[0-9a-f]{32}")

@@ -5,7 +5,9 @@
 Settings come from the ``KVCACHE_*`` environment, as the server reads them
 (``cache.config.build_cache_config``); tiers are built by ``cache.assembly``. Without a
 flag it lists each tier's namespaces (one per model, layout and rank) with their
-entries, bytes and ages (the ``pins`` column is for pinned prefixes, none yet).
+entries, bytes and ages, and how many of those entries are pinned (``cache.pins``); the
+tier that keeps the pin records (the last local one) lists each live pin: its chunks,
+tokens, bytes, expiry, and the bytes pinned against ``KVCACHE_PIN_MAX``.
 
 ``--verify`` reads every entry and checks it as a server would before serving it (header,
 namespace, key, payload length and checksum, and the signature when
@@ -35,9 +37,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from cache.assembly import build_tiers, shared_tier
+from cache.assembly import build_tiers, pin_book, shared_tier
 from cache.codec import CorruptEntry, UnsignedEntry, decode
 from cache.config import CacheConfig, ConfigError, TierSpec, build_cache_config
+from cache.pins import pinned_bytes
 from cache.sizes import human_bytes
 from cache.tiers.files import FileTier, is_debris
 from cache.tiers.layout import TMP_MARK, folder_usage, is_key, parse_temp
@@ -61,7 +64,7 @@ class Namespace:
     bytes: int = 0
     oldest_s: Optional[float] = None   # age of the oldest entry, seconds
     newest_s: Optional[float] = None
-    pins: Optional[int] = None         # pinned entries (not implemented yet)
+    pins: int = 0                      # entries pinned now (cache.pins)
     checked: int = 0
     problems: list[Problem] = field(default_factory=list)
 
@@ -83,6 +86,9 @@ class TierReport:
     counted: Optional[int] = None      # what the folder holds against the capacity
     problems: list[Problem] = field(default_factory=list)   # outside any namespace
     repaired: list[str] = field(default_factory=list)
+    pin_records: list[dict] = field(default_factory=list)   # live pins (the last local tier)
+    pinned_bytes: Optional[int] = None
+    pin_limit: Optional[int] = None
 
     def all_problems(self) -> list[Problem]:
         return self.problems + [p for ns in self.namespaces for p in ns.problems]
@@ -107,6 +113,14 @@ def inspect_local(config: CacheConfig, spec: TierSpec, verify: bool, now: float)
     rep = TierReport(spec.name, spec.location, spec.capacity, usage_file=folder_usage(spec.location))
     if not os.path.isdir(spec.location):
         return rep
+    book = pin_book(config)
+    live = book.live() if book is not None else []
+    if spec.last_local and book is not None:
+        rep.pin_records = [{"namespaces": list(p.namespaces), "chunks": len(p.keys), "tokens": p.tokens,
+                            "bytes": pinned_bytes([p]), "expires_in_s": round(p.expires - now, 1)}
+                           for p in live]
+        rep.pinned_bytes, rep.pin_limit = pinned_bytes(live), book.limit
+    pinned = {(ns, k) for p in live for ns, k in p.pairs()}
     counted = 0
     for ns in sorted(os.scandir(spec.location), key=lambda e: e.name):
         if not ns.is_dir():
@@ -123,6 +137,7 @@ def inspect_local(config: CacheConfig, spec: TierSpec, verify: bool, now: float)
                 continue
             for f in os.scandir(shard.path):
                 counted += _local_file(config, report, shard.name, f, verify, now)
+                report.pins += (ns.name, f.name) in pinned
     rep.counted = counted
     return rep
 
@@ -239,7 +254,7 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
     for rep in reports:
         for ns in rep.namespaces:
             lines.append(f"{rep.tier:<7}{ns.namespace:<34}{ns.entries:>9,}{ns.bytes:>14,}"
-                         f"{_age(ns.oldest_s):>9}{_age(ns.newest_s):>9}{'-':>6}")
+                         f"{_age(ns.oldest_s):>9}{_age(ns.newest_s):>9}{ns.pins if ns.pins else '-':>6}")
         if not rep.namespaces:
             lines.append(f"{rep.tier:<7}{'(empty)':<34}")
     for rep in reports:
@@ -258,6 +273,12 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
                 lines.append(f"  {p.what:<9} {p.path}: {p.detail} -> {_would(p, rep.tier == 'shared')}")
             if rep.account_off() and not repair:
                 lines.append(f"  account would be recounted: {rep.usage_file:,} -> {rep.counted:,} bytes")
+        if rep.pin_limit is not None:
+            lines.append(f"  pins: {len(rep.pin_records)} live, {rep.pinned_bytes:,} bytes pinned of "
+                         f"{rep.pin_limit:,} allowed (KVCACHE_PIN_MAX)")
+            for p in rep.pin_records:
+                lines.append(f"    {p['chunks']} chunks ({p['tokens']:,} tokens, {p['bytes']:,} bytes), expires "
+                             f"in {_age(p['expires_in_s'])}, namespace {', '.join(p['namespaces'])}")
         for r in rep.repaired:
             lines.append(f"  repaired: {r}")
     return "\n".join(lines)

@@ -83,12 +83,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A cache never fails a request: a chunk that cannot be loaded is recomputed.
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"
+            from cache.vllm.pinning import Pinner, chunk_entry_bytes
+
             namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
                           for r in range(world)]
+            pinner = Pinner(config, [ns.id for ns in namespaces],
+                            chunk_entry_bytes(kv_cache_config, config.chunk_tokens))
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
                                                 vllm_config.cache_config.prefix_cache_retention_interval,
-                                                bytes_per_block(kv_cache_config))
+                                                bytes_per_block(kv_cache_config), pinner)
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
@@ -198,11 +202,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         why = self.scheduler_side.explain_finished(request)
         loaded = self.scheduler_side.request_finished(request)
-        # Shown in the request's output (kv_transfer_params): tokens loaded per tier, and
-        # where each prompt token's KV came from or why it was computed.
+        pinner = getattr(self.scheduler_side, "pinner", None)
+        pin = pinner.finished(request) if pinner is not None else None
+        # Shown in the request's output (kv_transfer_params): tokens loaded per tier,
+        # where each prompt token's KV came from or why it was computed, and its pin.
         params = {"kvcache_explain": why} if why else {}
         if loaded:
             params["kvcache_loaded_tokens"] = loaded
+        if pin:
+            params["kvcache_pin"] = pin
         return False, (params or None)
 
     def request_finished_all_groups(self, request: "Request",

@@ -33,6 +33,7 @@ class ChunkIO:
     # its KV cache groups back to back in ``block_ids`` (the same count per group).
     kind: int = 0
     tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
+    shared: bool = False          # a save to publish to the shared tier at once (a pin)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class TieredKVMetadata(KVConnectorMetadata):
     # This step's compute: tokens scheduled and attention pairs (cache.cost); the workers
     # time the forward pass and send both back, to learn the engine's prefill rate.
     compute: Optional[tuple[int, float]] = None
+    # Pinned chunks to publish to the shared tier now, if a local tier holds them (cache.pins).
+    publish: list[str] = field(default_factory=list)
 
 
 @dataclass

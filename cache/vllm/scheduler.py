@@ -48,6 +48,7 @@ from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.namespace import prefix_salt
+from cache.vllm.pinning import Pinner
 from cache.vllm.planner import LoadPlanner
 
 if TYPE_CHECKING:
@@ -97,10 +98,12 @@ class RequestState:
 class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
-                 retention_interval: Optional[int] = 0, bytes_per_block: int = 0) -> None:
+                 retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
+                 pinner: Optional[Pinner] = None) -> None:
         """``bytes_per_block``: KV bytes of one block on one rank, every layer (the cost
         model's unit; 0: unknown, every hit loads whatever it finds)."""
         self.config = config
+        self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -184,6 +187,8 @@ class SchedulerSide:
             return 0, False
         st = self._state(request)
         st.pending_load = None
+        if self.pinner is not None:
+            self.pinner.offer(request, st.chunks, st.n_tokens)
         if not self._wants(request, "load"):
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
@@ -294,7 +299,8 @@ class SchedulerSide:
         self.planner.issued(request.request_id)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused))
+        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused),
+                                publish=self.pinner.take_publish() if self.pinner else [])
         self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
@@ -325,7 +331,8 @@ class SchedulerSide:
                     ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
                     if ids is None:
                         continue  # vLLM freed part of the window (never expected): a future miss
-                    meta.saves.append(ChunkIO(key, parent, ids, kind=k))
+                    meta.saves.append(ChunkIO(key, parent, ids, kind=k,
+                                              shared=bool(self.pinner and self.pinner.shares(key))))
                     self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
         return meta
 

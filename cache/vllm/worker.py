@@ -123,6 +123,8 @@ class WorkerSide:
             self.store.hint_upcoming(meta.upcoming)
         if meta.reused:
             self.store.persist(meta.reused)  # queued: copied to disk behind the writes
+        for key in meta.publish:  # pinned chunks (cache.pins), on the writer thread
+            self.store.share(key)
         mark = None
         for load in meta.loads:
             if load.asynchronous:
@@ -249,8 +251,8 @@ class WorkerSide:
             # waits for it (ready), the next step's forward pass too (step_begins).
             host, ready = copier.gather_async(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
-                           host.view(torch.uint8).reshape(-1).numpy(), on_done=self._on_settled,
-                           ready=ready)
+                           host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
+                           on_done=self._on_settled, ready=ready)
 
     def _on_settled(self, key: str) -> None:
         with self._lock:

@@ -1,0 +1,247 @@
+"""Pinned prefixes: chunks a request asked to keep for a time (``cache_control``).
+
+A request asks in its ``kv_transfer_params`` (``pin_ask``): ``kvcache_pin_ttl`` (seconds,
+or ``"5m"`` / ``"1h"`` as hosted APIs' ``cache_control`` names them) and, optionally,
+``kvcache_pin_tokens`` (the prompt tokens to pin; default the whole prompt). The server
+turns a chat message's ``"cache_control": {"type": "ephemeral", "ttl": ...}`` into these
+(``serving.cache_control``).
+
+What a pin does (``cache.store`` asks ``PinBook.held`` when it picks eviction victims):
+- the chunks of the pinned prefix are never dropped from the local tiers before the pin
+  expires. The last local tier (disk; DRAM when it is the only one) never evicts them.
+  DRAM evicts every unpinned entry before a pinned one, and a pinned entry that must
+  still leave DRAM is written to the disk tier first and removed from DRAM only once it
+  is there (never dropped);
+- pins are bounded: the pinned chunks of every live pin in a tier folder hold at most
+  ``KVCACHE_PIN_MAX`` (a share) of the last local tier's capacity, so unpinned entries
+  always keep the rest. A pin past that bound is refused whole, with its reason;
+- with a shared tier, a pinned prefix's chunks are published to it at once (not when
+  they are used a second time, the default rule).
+
+Records. One JSON file per tier folder, ``ROOT/.pins`` (``cache.tiers.layout``), of the
+last local tier: it outlives the process (DRAM on tmpfs outlives an engine restart, disk
+a reboot). Every engine of the node using the folder shares it. Written by the vLLM
+scheduler (``PinBook.pin``, rare: only requests that ask) under the folder lock,
+atomically (a temporary file renamed over it); read by each worker's store, again only
+when the file changed (one ``stat`` per question). A damaged file is ignored with one
+warning (no pins) and replaced by the next pin; expired pins are dropped when the file
+is next written, and ignored until then.
+
+Bytes: a pin's chunks count once each (a prefix pinned twice does not count twice), at
+``entry_bytes`` each, the size of one chunk's entry for the model (an upper bound for
+hybrid models, whose window entries are smaller).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from cache.tiers.layout import LOCK_FILE, PINS_FILE
+
+log = logging.getLogger(__name__)
+
+TTL_NAMES = {"5m": 300, "1h": 3600}   # hosted APIs' cache_control lifetimes
+MAX_TTL_S = 24 * 3600                  # the longest pin a request may ask for
+FORMAT = 1
+
+
+class PinError(ValueError):
+    """A pin request that is not one (a client mistake)."""
+
+
+@dataclass(frozen=True)
+class PinAsk:
+    ttl_s: float
+    tokens: Optional[int] = None   # prompt tokens to pin; None: the whole prompt
+
+
+def parse_ttl(value: Any, name: str = "kvcache_pin_ttl") -> float:
+    """Seconds of a pin: a number in ``(0, MAX_TTL_S]`` or one of ``TTL_NAMES``."""
+    if isinstance(value, str) and value in TTL_NAMES:
+        return float(TTL_NAMES[value])
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PinError(f"{name}={value!r} is not a lifetime: give seconds (1 to {MAX_TTL_S}) "
+                       f"or one of {', '.join(map(repr, TTL_NAMES))}")
+    if not 0 < value <= MAX_TTL_S:
+        raise PinError(f"{name}={value!r} is out of range: 1 to {MAX_TTL_S} seconds")
+    return float(value)
+
+
+def pin_ask(params: Optional[Mapping[str, Any]]) -> Optional[PinAsk]:
+    """The pin a request's ``kv_transfer_params`` ask for, None when none; ``PinError``
+    for a bad one."""
+    params = params or {}
+    ttl, tokens = params.get("kvcache_pin_ttl"), params.get("kvcache_pin_tokens")
+    if ttl is None:
+        if tokens is not None:
+            raise PinError("kvcache_pin_tokens needs kvcache_pin_ttl (how long to pin)")
+        return None
+    ttl_s = parse_ttl(ttl)
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise PinError(f"kvcache_pin_tokens={tokens!r} must be a positive number of prompt tokens")
+    return PinAsk(ttl_s, tokens)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One pin: chunk keys in some namespaces (one per parallel rank), until ``expires``."""
+
+    namespaces: tuple[str, ...]
+    keys: tuple[str, ...]
+    entry_bytes: int
+    expires: float      # Unix time
+    created: float
+    tokens: int = 0
+
+    def pairs(self) -> Iterable[tuple[str, str]]:
+        return ((ns, k) for ns in self.namespaces for k in self.keys)
+
+
+def pinned_bytes(pins: Iterable[Pin]) -> int:
+    """Bytes the pins hold, each (namespace, key) counted once."""
+    sizes: dict[tuple[str, str], int] = {}
+    for p in pins:
+        for pair in p.pairs():
+            sizes[pair] = max(sizes.get(pair, 0), p.entry_bytes)
+    return sum(sizes.values())
+
+
+class PinBook:
+    """The pins of one tier folder (``ROOT/.pins``), bounded by ``share`` of ``capacity``.
+
+    ``namespace``: the one ``held`` answers for (a worker's store); the scheduler's book
+    names namespaces per ``pin``. ``clock``: Unix time (tests pass their own)."""
+
+    def __init__(self, root: str, capacity: int, share: float, namespace: str = "",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root, self.capacity, self.share = root, capacity, share
+        self.namespace = namespace
+        self.clock = clock
+        self.path = os.path.join(root, PINS_FILE)
+        self._seen: Optional[tuple] = None           # the file's (inode, mtime, size) last read
+        self._held: dict[str, float] = {}            # key -> latest expiry, our namespace
+        self._pins: list[Pin] = []
+
+    @property
+    def limit(self) -> int:
+        return int(self.capacity * self.share)
+
+    # -- reading (the store's eviction path: one stat, a dict lookup) -------------------
+    def held(self, key: str) -> bool:
+        """Whether ``key`` is pinned now, in this book's namespace."""
+        self._refresh()
+        return self._held.get(key, 0.0) > self.clock()
+
+    def live(self) -> list[Pin]:
+        """Pins not yet expired, as the file says now."""
+        self._refresh()
+        now = self.clock()
+        return [p for p in self._pins if p.expires > now]
+
+    def _refresh(self) -> None:
+        try:
+            st = os.stat(self.path)
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            seen = None
+        if seen == self._seen:
+            return
+        self._seen = seen
+        self._pins = self._read() if seen is not None else []
+        held: dict[str, float] = {}
+        for p in self._pins:
+            if self.namespace in p.namespaces:
+                for k in p.keys:
+                    held[k] = max(held.get(k, 0.0), p.expires)
+        self._held = held
+
+    def _read(self) -> list[Pin]:
+        """The file's pins; none (and one warning) when it is damaged."""
+        try:
+            with open(self.path, "rb") as f:
+                data = json.loads(f.read())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+            return [Pin(tuple(p["namespaces"]), tuple(p["keys"]), int(p["entry_bytes"]),
+                        float(p["expires"]), float(p["created"]), int(p.get("tokens", 0)))
+                    for p in data["pins"]]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            log.warning("kvcache: ignoring the damaged pin file %s (%s): no pins until the next "
+                        "pin replaces it", self.path, e)
+            return []
+
+    # -- writing (the scheduler, for a request that asks) -----------------------------
+    def pin(self, namespaces: Iterable[str], keys: Iterable[str], entry_bytes: int,
+            ttl_s: float, tokens: int = 0) -> tuple[bool, str, float]:
+        """Pin ``keys`` in ``namespaces`` for ``ttl_s`` seconds: ``(pinned, reason,
+        expires)``; refused (``reason`` says why) when the bound would be passed."""
+        ns, keys = tuple(namespaces), tuple(dict.fromkeys(keys))
+        if self.limit <= 0:
+            return False, "pins are off (KVCACHE_PIN_MAX=0)", 0.0
+        now = self.clock()
+        new = Pin(ns, keys, entry_bytes, now + ttl_s, now, tokens)
+        with self._locked():
+            self._seen = None
+            self._refresh()
+            live = [p for p in self._pins if p.expires > now]
+            # A pin of the very same chunks replaces an older one (the later expiry wins).
+            same = [p for p in live if p.namespaces == ns and p.keys == keys]
+            kept = [p for p in live if p not in same]
+            after = pinned_bytes(kept + [new])
+            if after > self.limit:
+                held = pinned_bytes(live)
+                return False, (f"pinning {len(keys)} chunks ({len(keys) * len(ns) * entry_bytes:,} bytes) "
+                               f"would bring pinned bytes to {after:,}, above KVCACHE_PIN_MAX="
+                               f"{self.share:g} of the tier ({self.limit:,} of {self.capacity:,} "
+                               f"bytes; {held:,} pinned now)"), 0.0
+            if same:
+                new = Pin(ns, keys, entry_bytes, max(new.expires, *(p.expires for p in same)), now, tokens)
+            self._write(kept + [new])
+        return True, "", new.expires
+
+    def _write(self, pins: list[Pin]) -> None:
+        tmp = f"{self.path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        body = {"format": FORMAT, "pins": [asdict(p) for p in pins]}
+        try:
+            with open(tmp, "w") as f:
+                json.dump(body, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._seen = None
+
+    def _locked(self):
+        return _FolderLock(os.path.join(self.root, LOCK_FILE))
+
+
+class _FolderLock:
+    """The tier folder's lock (the one ``FileTier`` takes for its byte account)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._f = open(self.path, "ab")
+        fcntl.flock(self._f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+        finally:
+            self._f.close()
