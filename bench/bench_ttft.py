@@ -789,6 +789,16 @@ def merge_throughput(saved_path: str, new: dict) -> dict:
     return result
 
 
+def fresh_bench(args) -> "Bench":
+    """A ``Bench`` over the generated model (built if missing) and empty tier folders."""
+    from serving.default_model import ModelShape, ensure_model
+
+    ensure_model(args.model_path, ModelShape(**args.shape))
+    for d in (args.workdir, args.shmdir):
+        shutil.rmtree(d, ignore_errors=True)
+    return Bench(args)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--render"]:
@@ -796,12 +806,7 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from serving.default_model import ModelShape, ensure_model
-
-    ensure_model(args.model_path, ModelShape(**args.shape))
-    for d in (args.workdir, args.shmdir):
-        shutil.rmtree(d, ignore_errors=True)
-    bench = Bench(args)
+    bench = fresh_bench(args)
     only = set(filter(None, args.only.split(",")))
     want = lambda name: not only or name in only  # noqa: E731
     load_before = os.getloadavg()

@@ -260,12 +260,7 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from serving.default_model import ModelShape, ensure_model
-
-    ensure_model(args.model_path, ModelShape(**args.shape))
-    for d in (args.workdir, args.shmdir):
-        shutil.rmtree(d, ignore_errors=True)
-    bench = bench_ttft.Bench(args)
+    bench = bench_ttft.fresh_bench(args)
     bench.max_model_len = max(args.sizes + [args.sweep_size]) + max(SUFFIXES) + 256  # prefix + suffix + output
     try:
         bench_ttft.log("floors: bandwidth of a memory copy and of a cold disk read, per prompt size")

@@ -147,7 +147,20 @@ class PrefixLRU(EvictionPolicy):
         return self._s.count
 
 
-class S3FIFO(EvictionPolicy):
+class _ListedSlots(EvictionPolicy):
+    """A policy whose slots sit in numbered lists (``self._s``), with each slot's list in
+    ``self._where`` and each list's length in ``self._n``."""
+
+    def _move(self, slot: int, to: int) -> None:
+        s, where, n = self._s, self._where, self._n
+        s.unlink(slot)
+        n[where[slot]] -= 1
+        where[slot] = to
+        n[to] += 1
+        s.link_before(slot, to)
+
+
+class S3FIFO(_ListedSlots):
     """S3-FIFO (Yang et al., SOSP'23) in compact storage; see ``classic.S3FIFOPolicy``."""
 
     name = "s3fifo-compact"
@@ -161,13 +174,6 @@ class S3FIFO(EvictionPolicy):
         self._freq, self._where = self._s.extra
         self._n = [0, 0, 0, 0]          # slots per list
 
-    def _move(self, slot: int, to: int) -> None:
-        s, where, n = self._s, self._where, self._n
-        s.unlink(slot)
-        n[where[slot]] -= 1
-        where[slot] = to
-        n[to] += 1
-        s.link_before(slot, to)
 
     def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
         s = self._s
@@ -229,7 +235,7 @@ class S3FIFO(EvictionPolicy):
         return self._n[self._SMALL] + self._n[self._MAIN]
 
 
-class ARC(EvictionPolicy):
+class ARC(_ListedSlots):
     """ARC (Megiddo & Modha, FAST'03) in compact storage; see ``classic.ARCPolicy``
     (same decisions on every trace; a test checks it)."""
 
@@ -245,13 +251,6 @@ class ARC(EvictionPolicy):
         self._c = 1
         self._incoming_in_b2 = False
 
-    def _move(self, slot: int, to: int) -> None:
-        s, where, n = self._s, self._where, self._n
-        s.unlink(slot)
-        n[where[slot]] -= 1
-        where[slot] = to
-        n[to] += 1
-        s.link_before(slot, to)
 
     def _drop_first(self, lst: int) -> None:
         self._n[lst] -= 1
