@@ -59,8 +59,9 @@ SETTINGS = (
     "KVCACHE_DISK_SIZE", "KVCACHE_SHARED_URL", "KVCACHE_SHARED_TIMEOUT_MS",
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
-    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX",
+    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_LOAD_DECISION",
 )
+LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
     "KVCACHE_CPU_PATH": "KVCACHE_DRAM_PATH",
     "KVCACHE_CPU_SIZE": "KVCACHE_DRAM_SIZE",
@@ -121,6 +122,9 @@ class CacheConfig:
     # Share (0..1) of the last local tier that pinned prefixes may hold (cache.pins); a pin
     # past it is refused. 0: pins are refused.
     pin_max: float = 0.5
+    # What a hit loads: "cost" (what the online cost model expects to reach the first token
+    # sooner than computing it; cache.cost) or "always" (everything found).
+    load_decision: str = "cost"
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
     signing_key: str = field(default="", repr=False)
@@ -277,6 +281,9 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     io_threads = _positive_int(r, "KVCACHE_IO_THREADS", d.io_threads)
     policy = r.get("KVCACHE_POLICY") or d.policy
     pin_max = _fraction(r, "KVCACHE_PIN_MAX", d.pin_max)
+    load_decision = (r.get("KVCACHE_LOAD_DECISION") or d.load_decision).lower()
+    if load_decision not in LOAD_DECISIONS:
+        raise ConfigError(f"KVCACHE_LOAD_DECISION={load_decision!r} must be one of {', '.join(LOAD_DECISIONS)}")
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
@@ -284,7 +291,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        disk_path=disk_path, disk_bytes=disk_bytes, shared_url=url, curvine_conf=conf,
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
-                       pin_max=pin_max, signing_key=signing_key, notes=tuple(notes))
+                       pin_max=pin_max, load_decision=load_decision, signing_key=signing_key, notes=tuple(notes))
 
 
 def _disk_bytes(size_text: str, path: str) -> int:

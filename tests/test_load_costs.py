@@ -30,14 +30,17 @@ BYTES_PER_BLOCK = 1 << 20  # a made-up model: 1 MiB of KV per 128-token block
 KEY = "ab" * 16
 
 
-def config(tmp_path):
+def config(tmp_path, **extra):
     return build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
+                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB", **extra})
 
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = config(tmp_path)
+    return scheduler_and_writer(config(tmp_path))
+
+
+def scheduler_and_writer(cfg):
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager, bytes_per_block=BYTES_PER_BLOCK)
@@ -97,6 +100,14 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
     side.request_finished(req)
     assert side.get_stats().data == {"plan:recompute.requests": 1, "plan:load.requests": 1,
                                      "miss:recompute:none": 1499}
+
+
+def test_load_decision_always_loads_what_the_cost_model_would_recompute(tmp_path):
+    side, writer = scheduler_and_writer(config(tmp_path, KVCACHE_LOAD_DECISION="always"))
+    stored(side, writer, 1500, lambda i: 1)
+    measured(side, disk_bytes_per_s=50e6)  # what the cost model recomputes (test above)
+    _, got = ask(side, "slow", 1500)
+    assert got == (1499, True)
 
 
 def test_a_fast_tier_prefix_loads_and_the_slow_rest_is_recomputed(setup):

@@ -120,7 +120,8 @@ class SchedulerSide:
         self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         # Load or recompute, per request, from costs measured online (cache.cost).
         self.planner = LoadPlanner(self.tier_names, {t.name for t in specs if t.synchronous}, block_size,
-                                   bytes_per_block=0 if self.layout.hybrid else bytes_per_block)
+                                   bytes_per_block=0 if self.layout.hybrid or config.load_decision == "always"
+                                   else bytes_per_block)
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
