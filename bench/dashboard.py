@@ -19,7 +19,6 @@ import argparse
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import httpx
+
+from bench.peers import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "kvcache.json"
 # PromQL words that look like names: functions are followed by "(", these are not always.
@@ -77,12 +78,6 @@ def exported_names(metrics_text: str) -> set[str]:
     return names
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """A Prometheus process scraping ``target`` (``host:port``) every second."""
 
@@ -94,7 +89,7 @@ class Prometheus:
         (self.dir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             f"scrape_configs: [{{job_name: kvcache, static_configs: [{{targets: ['{target}']}}]}}]\n")
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(self.dir / "prometheus.log", "w")
         self.proc = subprocess.Popen([self.binary, f"--config.file={self.dir / 'prometheus.yml'}",
                                       f"--storage.tsdb.path={self.dir / 'data'}",
