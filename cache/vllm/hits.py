@@ -33,8 +33,9 @@ def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: i
     """The longest hit every entry kind can serve (``groups.plan_hit``) with one lookup
     view per rank, the keys that would make it longer but are missing (to wait for
     saves in flight or the shared tier), and the tier of each leading full-attention
-    entry every rank holds (for ``cache.explain``). An entry counts when every rank has
-    it, and it loads from the slowest tier any rank holds it in."""
+    entry every rank holds (for ``cache.explain``; for a hybrid model only those inside
+    the hit, which its windows bound). An entry counts when every rank has it, and it
+    loads from the slowest tier any rank holds it in."""
     kinds = layout.kinds
     memo: dict[str, Optional[int]] = {}
 
@@ -63,6 +64,8 @@ def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: i
                 need = window_chunks(kind, bounds, {longest}, layout.block_size)
                 missing += [chunks[i].keys[w] for i in sorted(need)
                             if chunks[i].end > computed and tier_of(chunks[i].keys[w]) is None]
+    if layout.hybrid:
+        full_tiers = full_tiers[:plan.chunks if plan is not None else 0]
     return plan, missing, full_tiers
 
 

@@ -24,11 +24,14 @@ from cache.cost import ChunkCost, Plan, PrefillRate, TierRate, attention_pairs, 
 
 class LoadPlanner:
     def __init__(self, tier_names: Sequence[str], synchronous: set[str], block_size: int,
-                 bytes_per_block: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 bytes_per_block: int = 0, decide: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``bytes_per_block``: KV bytes of one block, every layer, on one rank (0:
-        unknown, then every hit loads everything: no cost can be estimated)."""
+        unknown, then every hit loads everything: no cost can be estimated); ``decide``
+        False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``, hybrid models)."""
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
+        self.decide = decide and bytes_per_block > 0
         self.synchronous = set(synchronous)
         self.tiers = {name: TierRate(clock) for name in tier_names}
         self.prefill = PrefillRate(clock)
@@ -42,7 +45,7 @@ class LoadPlanner:
         """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
         as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``."""
         b = self.block_size
-        if not self.bytes_per_block:  # unknown: load everything
+        if not self.decide:  # load everything
             sync = all(t in self.synchronous for _, _, t in spans)
             plan = Plan(len(spans), len(spans), "sync" if sync else "async")
         else:

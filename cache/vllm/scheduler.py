@@ -120,8 +120,8 @@ class SchedulerSide:
         self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         # Load or recompute, per request, from costs measured online (cache.cost).
         self.planner = LoadPlanner(self.tier_names, {t.name for t in specs if t.synchronous}, block_size,
-                                   bytes_per_block=0 if self.layout.hybrid or config.load_decision == "always"
-                                   else bytes_per_block)
+                                   bytes_per_block=bytes_per_block,
+                                   decide=config.load_decision == "cost" and not self.layout.hybrid)
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
@@ -198,8 +198,6 @@ class SchedulerSide:
         if (missing and st.chunks[-1].end > num_computed_tokens
                 and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
             return None, False  # ask again at the next step
-        if self.layout.hybrid:  # a chunk counts as found only inside a hit its windows allow
-            found = found[:plan.chunks if plan is not None else 0]
         st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
