@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peers import free_port
 
@@ -65,16 +66,14 @@ def exported_names(metrics_text: str) -> set[str]:
     """Every series name a ``/metrics`` page declares or shows, histogram and counter
     suffixes included (a labelled counter not yet incremented is declared, not shown)."""
     names = set()
-    for line in metrics_text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(None, 3)
-            names.add(name)
-            if kind == "counter" and not name.endswith("_total"):
-                names.add(name + "_total")
-            if kind == "histogram":
-                names.update(name + s for s in ("_bucket", "_sum", "_count"))
-        elif line and not line.startswith("#"):
-            names.add(_NAME.match(line).group())
+    for family in text_string_to_metric_families(metrics_text):
+        if family.type == "counter":  # the parser strips the suffix the page declares
+            names.add(family.name + "_total")
+        else:
+            names.add(family.name)
+        if family.type == "histogram":
+            names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
+        names.update(sample.name for sample in family.samples)
     return names
 
 
