@@ -50,17 +50,25 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gate, self.engine, self.drain_s = gate, engine, drain_s
         self.deadline = 0.0
+        self.signal: int | None = None  # set by the first SIGTERM/SIGINT, logged by on_tick
 
-    def handle_exit(self, sig, frame) -> None:  # runs in the signal handler: flags only
+    def handle_exit(self, sig, frame) -> None:
+        """Runs as a Python signal handler, between two bytecodes of the main thread:
+        flags only. No logging here: a handler that writes to stderr while the
+        interrupted code is writing to it raises ``RuntimeError: reentrant call`` out of
+        whatever the event loop was doing, and the server dies instead of draining."""
         if self.gate.draining:
             super().handle_exit(sig, frame)
             return
+        self.signal = sig
         self.gate.draining = True
         self.deadline = time.monotonic() + self.drain_s
-        log.info("signal %s: draining %d request(s) in flight (up to %.0f s)",
-                 sig, self.gate.in_flight, self.drain_s)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.signal is not None:  # logged here, on the event loop, not in the handler
+            log.info("signal %s: draining %d request(s) in flight (up to %.0f s)",
+                     self.signal, self.gate.in_flight, self.drain_s)
+            self.signal = None
         if not self.should_exit:
             now = time.monotonic()
             if self.gate.draining and self.gate.in_flight == 0:

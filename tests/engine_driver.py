@@ -12,13 +12,16 @@ Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "lo
        "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
                  {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
                  {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
-                 {"wait_for": PATH} | {"engine": true} | {"metrics": PREFIX} |
+                 {"wait_for": PATH} | {"engine": true} |
+                 {"metrics": PREFIX, "until": optional {LABELLED_NAME: MIN}, "timeout": S} |
                  {"random_batch": [SEED, N, LEN]} | {"damage": [FOLDER, ...]} | {"remove": PATH} |
                  {"fill": FOLDER} | {"unfill": FOLDER}]}
 
 ``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
 off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``),
-by name and, under ``labelled``, by ``name{cause=..,tier=..}``. ``damage`` flips a payload
+by name and, under ``labelled``, by ``name{cause=..,tier=..}``; with ``until``, once
+those labelled samples reach their minimum (one-token requests in between carry the
+workers' counters to the registry), or after ``timeout`` seconds. ``damage`` flips a payload
 bit of every other entry file and truncates the rest; ``fill`` takes every free byte of
 FOLDER's filesystem with one file, ``unfill`` removes it.
 """
@@ -132,6 +135,17 @@ def fill(folder: str) -> int:
     return n
 
 
+def read_metrics(prefix: str) -> tuple[dict, dict]:
+    """This process's Prometheus samples whose names start with ``prefix``: by name, and
+    by ``name{cause=..,tier=..}``."""
+    from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
+
+    samples = [s for m in REGISTRY.collect() if m.name.startswith(prefix) for s in m.samples]
+    labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                        if k in ("tier", "cause")) + "}": s.value for s in samples}
+    return {s.name: s.value for s in samples}, labelled
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.update(spec["cache"])  # inherited by the engine's processes
@@ -156,13 +170,16 @@ def main() -> None:
             print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}),
                   flush=True)
         elif "metrics" in step:
-            from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
-
-            samples = [s for m in REGISTRY.collect() if m.name.startswith(step["metrics"]) for s in m.samples]
-            labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                                                if k in ("tier", "cause")) + "}": s.value for s in samples}
-            print("RESULT " + json.dumps({"metrics": {s.name: s.value for s in samples}, "labelled": labelled}),
-                  flush=True)
+            plain, labelled = read_metrics(step["metrics"])
+            deadline = time.time() + step.get("timeout", 60)
+            while any(labelled.get(k, 0) < v for k, v in step.get("until", {}).items()) \
+                    and time.time() < deadline:
+                # the workers' counters reach the registry with an engine step's output:
+                # what the background threads did after the last step needs another one
+                llm.generate([{"prompt_token_ids": [7, 7, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+                time.sleep(0.2)
+                plain, labelled = read_metrics(step["metrics"])
+            print("RESULT " + json.dumps({"metrics": plain, "labelled": labelled}), flush=True)
         elif "damage" in step:
             print("RESULT " + json.dumps({f: damage_entries(f) for f in step["damage"]}), flush=True)
         elif "remove" in step:

@@ -168,7 +168,9 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
                           {"reset_prefix_cache": True}, {"prompt_token_ids": P}, {"sleep": 1.0},
                           *fill, {"prompt_token_ids": G}, {"sleep": 1.0},
                           {"prompt_token_ids": R}, {"reset_prefix_cache": True}, {"prompt_token_ids": R},
-                          {"sleep": 1.0}, {"metrics": "kvcache:"}]}, logs, "e2")
+                          {"sleep": 1.0}, {"metrics": "kvcache:",
+                                           "until": {"kvcache:tier_persisted_total{tier=disk}": 3}}]},
+               logs, "e2")
     try:
         wait_for(tmp / "e2-ready", e2, logs, "e2")
         out["restart"] = {"temp_files": temp_files(disk), "accounted": accounted(disk),

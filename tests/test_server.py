@@ -795,7 +795,10 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
+    try:
+        assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
+    except httpx.ConnectError:  # the server is gone: say why (its log), not only "refused"
+        raise AssertionError(f"the server stopped listening at SIGTERM:\n{server.tail()}") from None
     refused = httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
     code = server.proc.wait(timeout=30)
