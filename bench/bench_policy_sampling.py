@@ -10,11 +10,12 @@ and with them sampled down to a given number of sampled slots (the scaled capaci
 experts simulate), and writes ``bench/results/policy_sampling.{md,json}``:
 
 - error: the token hit ratio with sampled experts minus the exact one, per workload and
-  capacity, for a range of sampled slots (rates 1/2 to 1/64): what ``SAMPLED_SLOTS`` is
-  chosen from;
+  capacity, for a few numbers of sampled slots (rates 1/2 to 1/32): what
+  ``SAMPLED_SLOTS`` is chosen from;
 - scale: one workload scaled up until the capacity passes the default ``SAMPLED_SLOTS``,
-  exact against default (sampled), with chunk lookups/s of both and of LRU;
-- memory: bytes per tracked chunk at a capacity where sampling is active.
+  exact against default (sampled) and against sampling as deep as a 10-million-chunk
+  tier's, with chunk lookups/s of each and of LRU;
+- memory: bytes per tracked chunk, and the experts' fixed cost, with sampling active.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.policy_memory import adaptive_cost  # noqa: E402
 from cache.policy.panel import ExpertPanel  # noqa: E402
 from cache.policy.prefix_adaptive import PrefixAdaptivePolicy  # noqa: E402
 from cache.tools.replay import replay, run  # noqa: E402
@@ -35,6 +37,7 @@ from cache.tools.trace import capacity_for_fraction  # noqa: E402
 from cache.tools.workloads import generate  # noqa: E402
 
 EXACT = 1 << 40
+DEEP_SLOTS = 2048       # a rate near a 10-million-chunk tier's (1/128 at the default)
 
 
 def sampled_run(requests, cap: int, slots: int):
@@ -74,12 +77,14 @@ def scale_row(name: str, scale: float, fraction: float) -> dict:
     cap = capacity_for_fraction(requests, fraction)
     exact, _ = sampled_run(requests, cap, EXACT)
     sampled, p = sampled_run(requests, cap, ExpertPanel.SAMPLED_SLOTS)
+    deep, pd = sampled_run(requests, cap, DEEP_SLOTS)
     lru = run(requests, "lru", cap)
     row = {"workload": name, "scale": scale, "fraction": fraction, "capacity_blocks": cap,
            "rate": p.panel.rate, "exact": exact.token_hit_ratio,
            "sampled": sampled.token_hit_ratio, "lru": lru.token_hit_ratio,
+           "deep_rate": pd.panel.rate, "deep": deep.token_hit_ratio,
            "lookups_per_s": {"exact": exact.lookups_per_s, "sampled": sampled.lookups_per_s,
-                             "lru": lru.lookups_per_s}}
+                             "deep": deep.lookups_per_s, "lru": lru.lookups_per_s}}
     print(f"  {name} x{scale} {fraction:.0%} cap {cap}: exact {exact.token_hit_ratio:.4f} "
           f"sampled {sampled.token_hit_ratio:.4f} (rate 1/{1 / p.panel.rate:.0f}); lookups/s "
           f"exact {exact.lookups_per_s:,.0f} sampled {sampled.lookups_per_s:,.0f} "
@@ -87,7 +92,8 @@ def scale_row(name: str, scale: float, fraction: float) -> dict:
     return row
 
 
-def markdown(rows: List[dict], big: dict, mem: float, slots: List[int], scale: float) -> str:
+def markdown(rows: List[dict], big: dict, mem: float, experts: float, slots: List[int],
+             scale: float) -> str:
     lines = ["# prefix-adaptive: exact against sampled experts", "",
              f"Workloads from `cache.tools.workloads` at scale {scale}, seed 0. Each cell: "
              "token hit ratio with the experts simulated exactly, and the difference with "
@@ -119,10 +125,14 @@ def markdown(rows: List[dict], big: dict, mem: float, slots: List[int], scale: f
         f"sampled {big['sampled']:.4f} ({big['sampled'] - big['exact']:+.4f}); LRU "
         f"{big['lru']:.4f}. Chunk lookups/s (one CPython thread, whole replay): exact "
         f"{big['lookups_per_s']['exact']:,.0f}, sampled {big['lookups_per_s']['sampled']:,.0f}, "
-        f"LRU {big['lookups_per_s']['lru']:,.0f}.", "",
-        f"Memory with sampling active: {mem:.0f} bytes per tracked chunk, i.e. "
-        f"{mem * 1e7 / 2**30:.2f} GiB for 10 million chunks "
-        "(`tests/test_policy.py::measure_bytes_per_chunk`)."]
+        f"LRU {big['lookups_per_s']['lru']:,.0f}. Sampled as deep as a 10-million-chunk "
+        f"tier is ({DEEP_SLOTS:,} sampled slots: rate 1/{1 / big['deep_rate']:.0f}): "
+        f"{big['deep']:.4f} ({big['deep'] - big['exact']:+.4f}), "
+        f"{big['lookups_per_s']['deep']:,.0f} chunk lookups/s.", "",
+        f"Memory with sampling active: {mem:.0f} bytes per tracked chunk plus "
+        f"{experts / 2**20:.0f} MiB of experts, i.e. {(mem * 1e7 + experts) / 2**30:.2f} GiB "
+        "for 10 million chunks (`bench.policy_memory.adaptive_cost`, "
+        "`tests/test_policy.py`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -131,8 +141,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=0.6)
     ap.add_argument("--workloads", default="chat,chat-agent,rag,scan,shift")
     ap.add_argument("--fractions", default="0.05,0.2")
-    ap.add_argument("--slots", default="512,1024,2048,4096,8192")
-    ap.add_argument("--big", default="chat:3.0:0.2", help="workload:scale:fraction")
+    ap.add_argument("--slots", default="1024,4096")
+    ap.add_argument("--big", default="chat:8:0.2", help="workload:scale:fraction")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
@@ -142,14 +152,13 @@ def main() -> int:
     name, scale, fraction = args.big.split(":")
     print("at scale:", flush=True)
     big = scale_row(name, float(scale), float(fraction))
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_policy import measure_bytes_per_chunk
-    mem = measure_bytes_per_chunk()
+    mem, experts = adaptive_cost()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "policy_sampling.md").write_text(markdown(rows, big, mem, slots, args.scale))
+    (args.out / "policy_sampling.md").write_text(markdown(rows, big, mem, experts, slots,
+                                                                 args.scale))
     (args.out / "policy_sampling.json").write_text(json.dumps(
         {"sampled_slots": ExpertPanel.SAMPLED_SLOTS, "error": rows, "scale": big,
-         "bytes_per_tracked_chunk": mem}, indent=1))
+         "bytes_per_tracked_chunk": mem, "experts_bytes": experts}, indent=1))
     print(f"wrote {args.out / 'policy_sampling.md'}")
     return 0
 

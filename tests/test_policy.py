@@ -260,6 +260,20 @@ class TestPrefixAdaptive(PolicyContract):
         return PrefixAdaptivePolicy()
 
 
+def _sampled(slots: int) -> PrefixAdaptivePolicy:
+    p = PrefixAdaptivePolicy()
+    p.panel.SAMPLED_SLOTS = slots
+    return p
+
+
+class TestPrefixAdaptiveSampled(PolicyContract):
+    # Experts sampled beyond 4 chunks of capacity: the tier runs a full-scale twin of its
+    # leader, and drains the former one after a switch.
+
+    def make(self, requests=()):
+        return _sampled(4)
+
+
 # ------------------------------------------------------------------ registry, default
 def test_registry_and_default():
     assert DEFAULT_POLICY in POLICIES
@@ -389,6 +403,28 @@ def test_tier_mirrors_its_leader_and_switches_on_evidence():
     assert p.switches >= 1 and p.leader != "prefix-lru"
     best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
     assert ours >= best - 0.02
+
+
+def test_sampled_experts_stay_small_and_the_tier_still_follows_the_evidence():
+    """Beyond ``SAMPLED_SLOTS`` the experts simulate a spatial sample at a scaled capacity
+    (memory bounded whatever the tier's size); the tier, a full-scale twin of the
+    leader, still switches on their evidence and ends near the best classic."""
+    from cache.tools.trace import capacity_for_fraction
+    from cache.tools.workloads import generate
+
+    trace = generate("scan", seed=1, scale=0.05)
+    cap = capacity_for_fraction(trace, 0.2)
+    p = _sampled(128)
+    ours = replay(trace, p, cap).token_hit_ratio
+    panel = p.panel
+    assert panel.rate <= 1 / 4 and panel.scap <= 128
+    assert all(len(e) <= panel.scap for e in panel.experts)
+    for e in panel.experts:                   # thinned: only sampled keys (stored + 1)
+        assert all(k <= panel.limit for k in e._s.key), e.name
+    assert p.switches >= 1 and p.leader != "prefix-lru" and len(p) <= cap
+    best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
+    print(f"sampled at 1/{1 / panel.rate:.0f}: {ours:.4f}, best classic {best:.4f}")
+    assert ours >= best - 0.03
 
 
 def test_hint_protects_present_keys_until_touched():

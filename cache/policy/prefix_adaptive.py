@@ -34,8 +34,10 @@ content within one turnover without an O(n) pass. Beyond that capacity the exper
 miniature simulations over a spatial sample of the chunks (SHARDS; see
 ``cache.policy.panel``), and the tier runs a full-scale twin of the leader (``_actor``)
 on every access: its own admission and eviction. After a switch a fresh full-scale policy
-of the new leader's kind takes over and the former one is drained first, in its own
-eviction order, chunk by chunk.
+of the new leader's kind takes over; the former one drains as it fills, in its own
+eviction order, a new chunk displacing the colder (by the frequency sketch) of the
+former's next victim and the new one's own. A new policy starts cold, so a switch costs
+more here than between exact experts (``cache.policy.panel`` has the measured cost).
 
 Nothing is fitted to a trace: the experts are published policies with their published
 constants, the switch rule is a one-standard-error test (the tier's worst case is
@@ -52,7 +54,9 @@ Memory per tracked chunk: the tier's own index (a key reference, its fingerprint
 parent's, a list link), one full-scale policy (about a capacity of 8-byte keys, links and
 index; ARC's and S3-FIFO's ghosts add about one more) and the frequency sketch, plus the
 experts' fixed cost (about ``SAMPLED_SLOTS`` entries each, whatever the tier's size):
-MEASURED (``tests/test_policy.py`` and ``bench/bench_policy.py`` measure it).
+about 100 bytes per tracked chunk plus 34 MiB, i.e. about 1 GiB for 10 million chunks
+(``tests/test_policy.py`` and ``bench/bench_policy.py`` measure it). While exact, the
+four experts hold every chunk: about 240 bytes per tracked chunk, at most about 30 MiB.
 """
 
 from __future__ import annotations
@@ -164,9 +168,10 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     def _switched(self) -> None:
         """The panel named a new leader. Exact experts: the tier re-checks its chunks
         against it (``REBUILD`` a step). Sampled: a fresh full-scale policy of the new
-        leader's kind takes every chunk accessed from now on, and the former one is
-        drained first, in its own eviction order, so the tier turns over to the new
-        policy within one turnover and without an O(n) pass."""
+        leader's kind takes every chunk accessed from now on (a chunk of the former one
+        used again comes over as a reuse), and the former one drains as the new one
+        fills (``_actor_room``), in its own eviction order, so the tier turns over to the
+        new policy within about a turnover and without an O(n) pass."""
         if self._actor is None:
             self._rebuild = 2                      # slot 1 is the list's sentinel
         else:
@@ -188,14 +193,16 @@ class PrefixAdaptivePolicy(EvictionPolicy):
 
     def _rebuild_step(self, steps: int = 0) -> None:
         """Re-check ``REBUILD`` tier slots against the new leader: a chunk it does not
-        hold joins the eviction list, one it holds leaves it."""
-        s, keys, lead = self._s, self._keys, self._lead_policy()
+        hold (nor a former leader being drained) joins the eviction list, one it holds
+        leaves it."""
+        s, keys, lead, olds = self._s, self._keys, self._lead_policy(), self._olds
         i, n = self._rebuild, len(keys)
         end = min(n, i + (steps or self.REBUILD))
         for slot in range(i, end):
             if keys[slot] is None:
                 continue
-            held = s.key[slot] in lead
+            k = s.key[slot]
+            held = k in lead or any(k in o for o in olds)
             if held and s.linked(slot):
                 s.unlink(slot)
             elif not held and not s.linked(slot):
