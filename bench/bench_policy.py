@@ -38,7 +38,6 @@ import os
 import platform
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Dict, List
 
@@ -46,7 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import policy_grid, readme  # noqa: E402
-from cache.policy import DEFAULT_POLICY, make_policy  # noqa: E402
+from bench.policy_memory import adaptive_cost, memory_per_chunk  # noqa: E402
+from cache.policy import DEFAULT_POLICY  # noqa: E402
+from cache.policy.panel import ExpertPanel  # noqa: E402
 from cache.tools.replay import (  # noqa: E402
     capacity_for_fraction,
     distinct_blocks,
@@ -60,29 +61,6 @@ if not DEFAULT_TRACE.exists():
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 BASELINES = ("lru", "arc", "s3fifo")
 ORACLES = ("rate-oracle", "span-oracle")
-
-
-def memory_per_chunk(policy_name: str, n: int = 50_000, chain: int = 8) -> float:
-    """Bytes traced per resident chunk with the tier full at ``n`` chunks and churning
-    (everything the policy allocates: arrays, index, sketch, ghost). Keys are created
-    before tracing starts: a store owns its keys."""
-    keys = list(range(10**9, 10**9 + 3 * n))
-    tracemalloc.start()
-    try:
-        p = make_policy(policy_name)
-        for i in range(0, len(keys), chain):
-            parent = None
-            for k in keys[i : i + chain]:
-                if not p.admit(k, parent, 1):
-                    break
-                while len(p) >= n:
-                    p.remove(p.victim())
-                p.insert(k, parent, 1)
-                parent = k
-        used, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return used / len(p)
 
 
 def reuse_regularity(requests, min_uses: int = 6) -> dict:
@@ -250,6 +228,7 @@ def main(argv: List[str] | None = None) -> int:
     regularity = reuse_regularity(requests)
     best_base = [max(ratio[p][i] for p in BASELINES) for i in range(len(caps))]
     mem = memory_per_chunk(ours, args.memory_chunks)
+    sampled_mem, experts_mem = adaptive_cost()
 
     lines = [
         f"# Eviction policies on `{Path(args.trace).name}`",
@@ -317,7 +296,11 @@ def main(argv: List[str] | None = None) -> int:
         "",
         f"Memory of `{ours}`: {mem:.0f} bytes per tracked chunk (tracemalloc, "
         f"{args.memory_chunks:,} resident chunks, churning), i.e. "
-        f"{mem * 10e6 / 2**30:.2f} GiB for 10 million chunks.",
+        f"{mem * 10e6 / 2**30:.2f} GiB for 10 million chunks if every chunk were simulated "
+        f"by every expert; beyond {ExpertPanel.SAMPLED_SLOTS:,} chunks the experts are "
+        f"sampled: {sampled_mem:.0f} bytes per tracked chunk plus "
+        f"{experts_mem / 2**20:.0f} MiB, i.e. "
+        f"{(sampled_mem * 10e6 + experts_mem) / 2**30:.2f} GiB for 10 million.",
         "",
     ]
     table = "\n".join(lines)
@@ -340,6 +323,8 @@ def main(argv: List[str] | None = None) -> int:
         "ours_minus_best_baseline": [o - b for o, b in zip(ratio[ours], best_base)],
         "chunk_lookups_per_s": rate,
         "bytes_per_tracked_chunk": mem,
+        "sampled_bytes_per_tracked_chunk": sampled_mem,
+        "sampled_experts_bytes": experts_mem,
         "hint_window_ms": args.hint_window_ms,
         "robustness": robust,
         "generated_unix": int(time.time()),

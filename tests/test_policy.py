@@ -8,11 +8,11 @@ vLLM. ``PolicyContract`` is a mixin in the style of cachetools' tests: each conc
 from __future__ import annotations
 
 import random
-import tracemalloc
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
+from bench.policy_memory import adaptive_cost
 from cache.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -260,6 +260,20 @@ class TestPrefixAdaptive(PolicyContract):
         return PrefixAdaptivePolicy()
 
 
+def _sampled(slots: int) -> PrefixAdaptivePolicy:
+    p = PrefixAdaptivePolicy()
+    p.panel.SAMPLED_SLOTS = slots
+    return p
+
+
+class TestPrefixAdaptiveSampled(PolicyContract):
+    # Experts sampled beyond 4 chunks of capacity: the tier runs a full-scale twin of its
+    # leader, and drains the former one after a switch.
+
+    def make(self, requests=()):
+        return _sampled(4)
+
+
 # ------------------------------------------------------------------ registry, default
 def test_registry_and_default():
     assert DEFAULT_POLICY in POLICIES
@@ -391,6 +405,28 @@ def test_tier_mirrors_its_leader_and_switches_on_evidence():
     assert ours >= best - 0.02
 
 
+def test_sampled_experts_stay_small_and_the_tier_still_follows_the_evidence():
+    """Beyond ``SAMPLED_SLOTS`` the experts simulate a spatial sample at a scaled capacity
+    (memory bounded whatever the tier's size); the tier, a full-scale twin of the
+    leader, still switches on their evidence and ends near the best classic."""
+    from cache.tools.trace import capacity_for_fraction
+    from cache.tools.workloads import generate
+
+    trace = generate("scan", seed=1, scale=0.05)
+    cap = capacity_for_fraction(trace, 0.2)
+    p = _sampled(128)
+    ours = replay(trace, p, cap).token_hit_ratio
+    panel = p.panel
+    assert panel.rate <= 1 / 4 and panel.scap <= 128
+    assert all(len(e) <= panel.scap for e in panel.experts)
+    for e in panel.experts:                   # thinned: only sampled keys (stored + 1)
+        assert all(k <= panel.limit for k in e._s.key), e.name
+    assert p.switches >= 1 and p.leader != "prefix-lru" and len(p) <= cap
+    best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
+    print(f"sampled at 1/{1 / panel.rate:.0f}: {ours:.4f}, best classic {best:.4f}")
+    assert ours >= best - 0.03
+
+
 def test_hint_protects_present_keys_until_touched():
     p = PrefixAdaptivePolicy()
     cap = 20
@@ -480,36 +516,11 @@ def test_external_removal_of_an_inner_chunk():
 
 
 # ---------------------------------------------------------------------- memory bound
-def measure_bytes_per_chunk(n: int = 20_000) -> float:
-    """Bytes traced per resident chunk (arrays, dict, sketch, doorkeeper, ghost), with
-    the tier at capacity ``n`` and churning; key objects are built before measuring
-    (a store owns its keys)."""
-    keys = list(range(10**9, 10**9 + 3 * n))
-    chain = 8
-    tracemalloc.start()
-    try:
-        p = PrefixAdaptivePolicy()
-        i = 0
-        while i < len(keys):
-            parent = None
-            for k in keys[i : i + chain]:
-                if p.admit(k, parent, 1):
-                    while len(p) >= n:
-                        p.remove(p.victim())
-                    p.insert(k, parent, 1)
-                    parent = k
-                else:
-                    break
-            i += chain
-        current, _peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return current / len(p)
-
-
-def test_memory_per_chunk_fits_ten_million_in_under_2_5_gib():
-    per_chunk = measure_bytes_per_chunk(20_000)
-    print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk "
-          f"-> {per_chunk * 10e6 / 2**30:.2f} GiB for 10 million")
-    # four experts simulated at full capacity (about 240 bytes a chunk, measured)
-    assert per_chunk * 10_000_000 < 2.5 * 2**30
+def test_memory_fits_ten_million_chunks_in_under_1_6_gib():
+    """Beyond ``ExpertPanel.SAMPLED_SLOTS`` the experts are sampled: a tracked chunk costs
+    the tier's index, one full-scale policy and the sketch; the experts a fixed amount."""
+    per_chunk, fixed = adaptive_cost()
+    total = per_chunk * 10_000_000 + fixed
+    print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk + {fixed / 2**20:.0f} MiB "
+          f"of experts -> {total / 2**30:.2f} GiB for 10 million")
+    assert total < 1.6 * 2**30

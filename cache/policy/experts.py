@@ -34,7 +34,31 @@ def _k(key: Key) -> int:
     return (key & _MASK) + 1        # 0 is "no key" in ``Slots``
 
 
-class PrefixLRU(EvictionPolicy):
+class Compact(EvictionPolicy):
+    """An expert in compact storage (``self._s``) that can shed keys in small steps
+    (``thin``: what a miniature simulation does when its sampling rate drops)."""
+
+    def rescale(self, factor: float) -> None:
+        """The key space it sees shrank by ``factor``: scale what it learned in entries
+        (default: nothing)."""
+
+    def forget(self, key: Key) -> None:
+        """Drop ``key`` entirely (ghost entries too): no trace of it is left."""
+        self.remove(key)
+
+    def thin(self, limit: int, start: int, steps: int) -> int:
+        """Forget every key ``>= limit`` among slots ``start .. start + steps``; returns
+        the slot to continue from, or 0 once past the last slot."""
+        keys = self._s.key
+        end = min(len(keys), start + steps)
+        for slot in range(start, end):
+            k = keys[slot]
+            if k > limit:               # stored as key + 1
+                self.forget(k - 1)
+        return 0 if end >= len(keys) else end
+
+
+class PrefixLRU(Compact):
     """Prefix-ordered LRU; with ``history``, first sightings are refused once full.
 
     ``capacity`` (entries) says when the tier is full for the admission rule; 0 means
@@ -140,6 +164,10 @@ class PrefixLRU(EvictionPolicy):
             s.unlink(slot)                          # a parent goes after its children
             self._tag[slot] = self._PARKED
 
+    def forget(self, key: Key) -> None:
+        self.remove(key)
+        self._evicted.clear()           # not an eviction: no orphan rule for it
+
     def __contains__(self, key: Key) -> bool:
         return self._s.find(_k(key)) > 0
 
@@ -147,7 +175,7 @@ class PrefixLRU(EvictionPolicy):
         return self._s.count
 
 
-class _ListedSlots(EvictionPolicy):
+class _ListedSlots(Compact):
     """A policy whose slots sit in numbered lists (``self._s``), with each slot's list in
     ``self._where`` and each list's length in ``self._n``."""
 
@@ -158,6 +186,12 @@ class _ListedSlots(EvictionPolicy):
         where[slot] = to
         n[to] += 1
         s.link_before(slot, to)
+
+    def forget(self, key: Key) -> None:
+        slot = self._s.find(_k(key))
+        if slot:
+            self._n[self._where[slot]] -= 1
+            self._s.drop(slot)
 
 
 class S3FIFO(_ListedSlots):
@@ -251,6 +285,12 @@ class ARC(_ListedSlots):
         self._c = 1
         self._incoming_in_b2 = False
 
+
+    def rescale(self, factor: float) -> None:
+        """The key space it sees shrank by ``factor`` (a lower sampling rate): so do its
+        learned capacity and target, in entries."""
+        self._c = max(1, int(self._c * factor))
+        self._p = min(float(self._c), self._p * factor)
 
     def _drop_first(self, lst: int) -> None:
         self._n[lst] -= 1

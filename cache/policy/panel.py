@@ -1,0 +1,223 @@
+"""The experts ``prefix-adaptive`` chooses between, simulated in miniature, and the
+evidence that names the leader.
+
+Runs inside ``prefix-adaptive`` (wherever a tier runs), under the store's lock: every call
+is O(1) amortized, with no I/O and no sleeping.
+
+Each expert (``cache.policy.experts``) is a complete policy with its own content, fed the
+tier's access stream; its hits are counted as a request would see them (a chunk counts
+only when its whole prefix is present in that expert). The leader is the expert that has
+served the most prefix hits lately: a challenger takes over when its lead (hits summed in
+batches of ``BATCH`` simulated accesses, decayed over ``HORIZON`` capacities and at least
+64 batches) exceeds ``Z`` = one standard error of their batch-by-batch difference, plus
+one hit. Evidence is never reset, so after a switch the old leader has to win the lead
+back: near-ties do not make the tier flap.
+
+Miniature simulation (SHARDS: Waldspurger et al., "Cache Modeling and Optimization using
+Miniature Simulations", USENIX ATC'17). The experts simulate only the chunks whose
+fingerprint falls below a threshold (``limit``: a share ``rate`` = 2**-``shift`` of the
+62-bit fingerprint space, a uniform spatial sample), at the tier's capacity scaled by the
+same rate. While the capacity is at most ``SAMPLED_SLOTS`` the rate is 1: every chunk is
+simulated, exactly. Beyond it the rate halves each time the capacity doubles, so each
+expert tracks at most about ``SAMPLED_SLOTS`` chunks (plus its ghosts) and costs bounded
+memory and time whatever the tier's size; the keys a halving leaves out are shed a few
+slots per access (``THIN``), never in one pass. The evidence logic runs on the sampled
+stream unchanged (batches of sampled accesses, decay over sampled capacities), so the
+sampling noise is part of the standard error it tests against.
+
+Prefix chains are sampled per chunk, not per chain root. A shared system prompt is the
+root of nearly every chain (every request of the chat, RAG and shift workloads hangs off
+one root), so sampling by root would keep all of them or none; per-chunk sampling keeps a
+uniform share of every tree. Each expert sees the *contracted* chain: a sampled chunk's
+parent is its nearest sampled ancestor in the request (tracked across the request's
+consecutive accesses), or none when every ancestor is unsampled or the chain starts in
+another tier. Prefix order (a parent outlives its children), refused chains and the
+prefix-hit rule (a chunk hits only when its sampled ancestors do) all act on that
+contracted chain, so a sampled chunk whose parent is not sampled behaves as the child of
+the nearest one that is. The price: an expert cannot see that an unsampled ancestor is
+missing, so as the rate drops its count drifts from prefix hits towards chunk hits (at
+rate 1/8 on chat at 2 % capacity, about three times the exact counts), most for ARC and
+S3-FIFO, whose evictions leave holes in chains; the experts are compared under the same
+drift, and the measured effect on the tier is below.
+
+``SAMPLED_SLOTS`` comes from the measured error (``bench/bench_policy_sampling.py``,
+``bench/results/policy_sampling.md``): with sampled experts the tier's token hit ratio
+matches exact simulation where the leader settles while the tier fills (chat), and loses
+up to about 0.02 where it changes later (RAG, scans): the new leader's full-scale policy
+starts cold. That loss did not shrink with the sample (1,024 and 4,096 sampled slots lose
+the same), so the threshold is as high as memory comfortably allows: every tier up to
+131,072 chunks (4 TiB of Llama-3-8B KV in 256-token chunks) is simulated exactly, and
+beyond it the experts cost a fixed 30-40 MiB.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, List, Optional
+
+from .base import EvictionPolicy
+from .experts import ARC, Compact, PrefixLRU, S3FIFO
+from .sketch import FrequencySketch
+
+KEY_SPACE = 1 << 62              # fingerprints are 62-bit (``cache.policy.slots``)
+_UNBOUNDED = 1 << 62
+
+
+class ExpertPanel:
+    """The experts, their (sampled) simulation and the leader choice (module docstring)."""
+
+    Z = 1.0                 # standard errors a challenger must lead by to take over
+    BATCH = 64              # sampled accesses per evidence sample (a chain's hits come together)
+    HORIZON = 16            # evidence decays over this many capacities of accesses ...
+    MIN_WINDOW = 64 * BATCH  # ... and never over fewer than 64 batches
+    SAMPLED_SLOTS = 1 << 17  # simulated exactly up to this capacity; sampled beyond
+    THIN = 32               # slots per expert checked per access after the rate drops
+
+    def __init__(self, *, last_tier: bool, history: FrequencySketch) -> None:
+        self.last_tier = last_tier
+        self.experts: List[Compact] = [PrefixLRU(last_tier=last_tier), ARC(), S3FIFO()]
+        self.names = ["prefix-lru", "arc", "s3fifo"]
+        self.admission: Optional[int] = None     # the expert with an admission filter
+        if last_tier:
+            self.admission = len(self.experts)
+            self.experts.append(PrefixLRU(history=history))
+            self.names.append("prefix-lru+admission")
+        k = len(self.experts)
+        self.lead = 0
+        self.switches = 0
+        self.shift = 0                           # rate = 2 ** -shift
+        self.limit = KEY_SPACE                   # fingerprints below it are simulated
+        self.cap = 0                             # the tier's capacity ...
+        self.scap = 0                            # ... scaled by the rate
+        self.full = False
+        self.last = 0                            # fingerprint of the last access
+        self._lanc = 0                           # its nearest sampled ancestor-or-self
+        self._slast = 0                          # the last sampled access
+        self._hit = [False] * k                  # each expert's verdict on it
+        self._batch = [0] * k                    # this batch's hits, per expert
+        self._score = [0.0] * k                  # decayed sums of batch hits ...
+        self._sq = [[0.0] * k for _ in range(k)]  # ... and of squared pairwise differences
+        self.nacc = 0
+        self._bound = _UNBOUNDED                 # entries an expert may hold
+        self._thin = [0] * k                     # per expert: next slot to thin, 0: done
+        self._thinning = False
+        self._room = [self._room_for(e) for e in self.experts]
+
+    def _room_for(self, e: EvictionPolicy) -> Callable[[], bool]:
+        return lambda: len(e) < self._bound
+
+    @property
+    def rate(self) -> float:
+        """The share of chunks the experts simulate."""
+        return 1.0 / (1 << self.shift)
+
+    # ------------------------------------------------------------------ capacity
+    def resize(self, cap: int, full: bool) -> None:
+        """The tier holds up to ``cap`` chunks (``full``: it has evicted): pick the rate
+        and scale the experts' capacity to it."""
+        self.cap, self.full = cap, full
+        shift = self.shift
+        while cap > self.SAMPLED_SLOTS << shift:
+            shift += 1
+        if shift != self.shift:
+            factor = 1.0 / (1 << (shift - self.shift))
+            self.shift, self.limit = shift, KEY_SPACE >> shift
+            for i, e in enumerate(self.experts):
+                e.rescale(factor)
+                self._thin[i] = 1
+            self._thinning = True
+        self.scap = cap if not self.shift else max(1, round(cap / (1 << self.shift)))
+        self._bound = self.scap if full and not self._thinning else _UNBOUNDED
+
+    def detach_leader(self, history: FrequencySketch) -> EvictionPolicy:
+        """The leader itself, which goes on at full scale as the tier's own policy; the
+        panel keeps a copy of it, thinned to the sample like every other expert."""
+        lead = self.experts[self.lead]
+        clone = copy.deepcopy(lead, {id(history): history})
+        self.experts[self.lead] = clone
+        self._room[self.lead] = self._room_for(clone)
+        return lead
+
+    def make(self, i: int) -> EvictionPolicy:
+        """A fresh, empty policy of expert ``i``'s kind, for a full-scale tier."""
+        e = self.experts[i]
+        if i == self.admission:
+            return PrefixLRU(history=e.history)
+        return type(e)(last_tier=self.last_tier)
+
+    # -------------------------------------------------------------------- access
+    def access(self, k: int, pk: int,
+               evict: Optional[Callable[[int], None]] = None) -> None:
+        """Every expert serves one access of fingerprint ``k`` (parent ``pk``, 0: none)
+        if it is sampled; ``evict`` hears what the leader drops."""
+        if not pk:
+            anc = 0
+        elif pk == self.last:
+            anc = self._lanc
+        else:
+            anc = pk if pk < self.limit else 0
+        self.last = k
+        if k >= self.limit:
+            self._lanc = anc
+            if self._thinning:
+                self._thin_step()
+            return
+        self._lanc = k
+        last, hit, experts, room = self._slast, self._hit, self.experts, self._room
+        parent = anc or None
+        lead = self.lead if evict is not None else -1
+        for i, e in enumerate(experts):
+            if k in e:
+                h = not anc or (hit[i] if anc == last else anc in e)
+                if h:
+                    e.touch(k)                     # a hit there (else recomputed: no touch)
+            else:
+                h = False
+                e.offer(k, parent, 1, room[i], evict=evict if i == lead else None)
+            hit[i] = h
+        self._slast = k
+        batch = self._batch
+        for i in range(len(experts)):
+            batch[i] += hit[i]
+        self.nacc += 1
+        if self._thinning:
+            self._thin_step()
+
+    def _thin_step(self) -> None:
+        """Shed a few keys the last rate drop left out of the sample, in every expert."""
+        thin, limit = self._thin, self.limit
+        for i, e in enumerate(self.experts):
+            if thin[i]:
+                thin[i] = e.thin(limit, thin[i], self.THIN)
+        if not any(thin):
+            self._thinning = False
+            if self.full:
+                self._bound = self.scap          # thinned: hold the scaled capacity
+
+    def weigh(self) -> bool:
+        """One batch of evidence; switch to the challenger that leads the leader by more
+        than ``Z`` standard errors of their difference (True when it did). Evidence is
+        never reset: after a switch the old leader must win the lead back (hysteresis
+        against flapping)."""
+        self.nacc = 0
+        decay = (1.0 - 1.0 / max(self.MIN_WINDOW, self.HORIZON * max(self.scap, 64))) ** self.BATCH
+        b, score, sq = self._batch, self._score, self._sq
+        k = len(b)
+        for i in range(k):
+            score[i] = score[i] * decay + b[i]
+            row = sq[i]
+            for j in range(i + 1, k):
+                d = b[i] - b[j]
+                row[j] = sq[j][i] = row[j] * decay + d * d
+        self._batch = [0] * k
+        lead = self.lead
+        best, best_by = -1, 0.0
+        for i in range(k):
+            by = score[i] - score[lead]
+            if i != lead and by > self.Z * sq[i][lead] ** 0.5 + 1.0 and by > best_by:
+                best, best_by = i, by
+        if best < 0:
+            return False
+        self.lead = best
+        self.switches += 1
+        return True
