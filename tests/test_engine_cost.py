@@ -25,6 +25,7 @@ def results(model_path, tmp_path_factory):
     shared.mkdir()
     prompt = {"prompt_token_ids": PROMPT}
     return run_engine({"model": model_path, "prefix_caching": False, "log_stats": True, "cache": {
+        "KVCACHE_LOAD_DECISION": "cost",  # the engine driver's default is "always"
         "KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0",
         "KVCACHE_DISK_PATH": str(tmp_path_factory.mktemp("cost-disk")),
         "KVCACHE_SHARED_URL": f"file://{shared}", "KVCACHE_SHARED_ADMISSION": "all",
