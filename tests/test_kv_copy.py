@@ -55,3 +55,24 @@ def test_gpu_copy_checks_pass_on_the_cpu_path():
     from bench.gpu_copy import main
 
     assert main(["--layers", "2", "--blocks", "64", "--repeats", "1"]) == 0
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 6, 7, 8], [8, 1, 6, 3, 10, 5], [2, 3, 9, 10, 11, 0]])
+@pytest.mark.parametrize("shape", [(12, 2, 4, 8), (2, 12, 4, 8)])
+def test_cpu_copies_of_runs_and_scattered_blocks_agree_with_indexing(block_ids, shape):
+    """Consecutive blocks are copied as slices, scattered ones (more runs than
+    MAX_SLICE_RUNS) by index: both give what indexing the blocks one by one gives."""
+    caches = {f"l{i}": torch.randn(shape) for i in range(2)}
+    layout = KVLayout.of(caches, 12)
+    bd = layout.block_dim
+    copier = BlockCopier(caches, layout)
+    entry = copier.gather(block_ids)
+    for i, name in enumerate(layout.layer_names):
+        for j, b in enumerate(block_ids):
+            assert torch.equal(entry[i].select(bd, j), caches[name].select(bd, b))
+    fresh = torch.randn(entry.shape)
+    copier.scatter(block_ids[1:], fresh, skip_blocks=1)
+    for i, name in enumerate(layout.layer_names):
+        assert torch.equal(caches[name].select(bd, block_ids[0]), entry[i].select(bd, 0))  # untouched
+        for j, b in enumerate(block_ids[1:], start=1):
+            assert torch.equal(caches[name].select(bd, b), fresh[i].select(bd, j))

@@ -82,6 +82,24 @@ def _done() -> None:
     """``wait`` of a copy that is already complete."""
 
 
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as runs of consecutive ids: (position in block_ids, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
+# A CPU copy of a layer's blocks takes slice copies when the blocks come in at most this
+# many runs (vLLM hands a new request mostly consecutive blocks): a slice copy is a plain
+# memcpy, about 1.4x as fast here as index_copy_/index_select on the same bytes.
+MAX_SLICE_RUNS = 4
+
+
 class BlockCopier:
     """Moves whole blocks between the KV cache and host tensors."""
 
@@ -110,6 +128,28 @@ class BlockCopier:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         return [ids[g] for g in self.layer_groups]
 
+    def _cpu_copy(self, block_ids: Sequence[int], entry: torch.Tensor, into_cache: bool) -> None:
+        """Copy between the CPU KV cache's ``block_ids`` and ``entry`` (``[layers, ..n
+        blocks..]``, any strides): slice copies per run of consecutive blocks, or
+        ``index_copy_``/``index_select`` when the blocks are scattered."""
+        bd = self.layout.block_dim
+        n, odd = divmod(len(block_ids), self.n_groups)
+        if odd:
+            raise ValueError(f"{len(block_ids)} block ids do not split into {self.n_groups} groups")
+        runs = [_runs(block_ids[g * n:(g + 1) * n]) for g in range(self.n_groups)]
+        if max(len(r) for r in runs) > MAX_SLICE_RUNS:
+            idx = self._index(block_ids)
+            for i, cache in enumerate(self.caches):
+                if into_cache:
+                    cache.index_copy_(bd, idx[i], entry[i])
+                else:
+                    torch.index_select(cache, bd, idx[i], out=entry[i])
+            return
+        for i, cache in enumerate(self.caches):
+            for pos, first, length in runs[self.layer_groups[i]]:
+                blocks, held = cache.narrow(bd, first, length), entry[i].narrow(bd, pos, length)
+                (blocks if into_cache else held).copy_(held if into_cache else blocks)
+
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new host tensor holding ``block_ids`` of every layer. Returns once copied."""
         host, wait = self.gather_async(block_ids)
@@ -125,9 +165,7 @@ class BlockCopier:
         bd = self.layout.block_dim
         if not self.cuda:
             out = torch.empty(shape, dtype=self.layout.dtype)
-            idx = self._index(block_ids)
-            for i, cache in enumerate(self.caches):
-                torch.index_select(cache, bd, idx[i], out=out[i])
+            self._cpu_copy(block_ids, out, into_cache=False)
             return out, _done
         host = torch.empty(shape, dtype=self.layout.dtype, pin_memory=True)
         with self._lock, torch.cuda.stream(self._stream):
@@ -177,9 +215,7 @@ class BlockCopier:
             raise ValueError(f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks")
         part = src.narrow(bd + 1, skip_blocks, n)
         if not self.cuda:
-            idx = self._index(block_ids)
-            for i, cache in enumerate(self.caches):
-                cache.index_copy_(bd, idx[i], part[i])
+            self._cpu_copy(block_ids, part, into_cache=True)
             return
         with self._lock, torch.cuda.stream(self._stream):
             if after is not None:
