@@ -169,6 +169,20 @@ def test_worker_loads_and_reports_its_time(worker):
     assert "load:async.cut_short" not in stats
 
 
+def test_a_synchronous_load_reads_what_no_read_thread_has_started(worker, monkeypatch):
+    """The read threads are busy (their futures never start): a synchronous load reads
+    and verifies the chunk on its own thread, byte for byte, instead of waiting."""
+    from concurrent.futures import Future
+
+    side, caches = worker
+    monkeypatch.setattr(side.store, "get_async", lambda key: Future())
+    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
+    assert side.get_block_ids_with_load_errors() == set()
+    for t in caches.values():
+        assert torch.equal(t[4:6], t[0:2])
+    assert side.take_settled().samples[0][:2] == ("load", "dram")
+
+
 def test_a_load_past_its_deadline_is_cut_short(worker, monkeypatch):
     side, caches = worker
     before = {n: t[4:6].clone() for n, t in caches.items()}

@@ -175,12 +175,17 @@ class WorkerSide:
         ``read`` gets the bytes verified per tier."""
         assert self.copiers
         end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
-        # Reads and checksums run on the store's read threads, ahead of the copies here.
+        # Reads and checksums run on the store's read threads, ahead of the copies here. A
+        # synchronous load's thread (the forward pass waits for it) reads a chunk itself
+        # when no read thread has started it yet, rather than wait idle.
         futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
             copier = self.copiers[chunk.kind]
             try:
-                entry = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
+                if not load.asynchronous and end is None and futures[i].cancel():
+                    entry = self.store.get(chunk.key)
+                else:
+                    entry = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
             except FutureTimeout:  # slower than recomputing: the rest is recomputed
                 for f in futures[i:]:
                     f.cancel()  # (one already running ends on its own; its result is dropped)
