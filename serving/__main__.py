@@ -73,17 +73,23 @@ class DrainingServer(uvicorn.Server):
         if not self.should_exit:
             now = time.monotonic()
             if self.gate.draining and self.gate.in_flight == 0:
-                self.should_exit = True
+                self._stop("drained: no request in flight")
             elif self.gate.draining and now >= self.deadline:
                 if not self.gate.cut.is_set():
                     log.warning("drain deadline passed: cutting %d request(s) still in flight "
                                 "(each answers 503)", self.gate.in_flight)
                     self.gate.cut_all()
                 elif now >= self.deadline + CUT_GRACE_S:
-                    self.should_exit = True
+                    self._stop(f"{self.gate.in_flight} cut request(s) still open after "
+                               f"{CUT_GRACE_S:.0f} s")
             elif self.engine.state is State.FAILED:
-                self.should_exit = True
+                self._stop(f"the engine failed: {self.engine.error}")
         return await super().on_tick(counter)
+
+    def _stop(self, why: str) -> None:
+        """Stop listening and shut down (on_tick, event loop); the log says why."""
+        log.info("stopping the server: %s", why)
+        self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
