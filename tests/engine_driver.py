@@ -17,7 +17,8 @@ Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "lo
                  {"random_batch": [SEED, N, LEN]} | {"damage": [FOLDER, ...]} | {"remove": PATH} |
                  {"fill": FOLDER} | {"unfill": FOLDER}]}
 
-``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
+``sleep`` waits S seconds, then until the tiers' folders are quiet (no temporary file, no
+change for 0.3 s). ``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
 off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``),
 by name and, under ``labelled``, by ``name{cause=..,tier=..}``; with ``until``, once
 those labelled samples reach their minimum (one-token requests in between carry the
@@ -146,6 +147,40 @@ def read_metrics(prefix: str) -> tuple[dict, dict]:
     return {s.name: s.value for s in samples}, labelled
 
 
+def tier_folders(cache: dict) -> list[str]:
+    """The local folders of the spec's tiers (DRAM, disk, a ``file://`` shared tier)."""
+    paths = [cache.get("KVCACHE_DRAM_PATH"), cache.get("KVCACHE_DISK_PATH")]
+    url = cache.get("KVCACHE_SHARED_URL") or cache.get("KVCACHE_REMOTE_URL") or ""
+    if url.startswith("file://"):
+        paths.append(url[len("file://"):])
+    return [p for p in paths if p and os.path.isdir(p)]
+
+
+def settle(folders: list[str], quiet_s: float = 0.3, timeout_s: float = 30.0) -> None:
+    """Wait until the write-behind is quiet: no temporary file in ``folders`` and their
+    files unchanged for ``quiet_s`` (at most ``timeout_s``). A fixed sleep alone is not
+    enough on a 2-core machine that can stall a writer for seconds."""
+    def snapshot():
+        seen = set()
+        for folder in folders:
+            for root, _dirs, files in os.walk(folder):
+                for name in files:
+                    try:
+                        seen.add((root, name, os.stat(os.path.join(root, name)).st_size))
+                    except FileNotFoundError:
+                        pass
+        return seen
+
+    deadline = time.time() + timeout_s
+    before = snapshot()
+    while time.time() < deadline:
+        time.sleep(quiet_s)
+        now = snapshot()
+        if now == before and not any(".tmp-" in name for _root, name, _size in now):
+            return
+        before = now
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     # inherited by the engine's processes. Loads are pinned to "always" unless the spec
@@ -203,6 +238,7 @@ def main() -> None:
             print("RESULT " + json.dumps({"broken": break_entries(step["break"], step["keep"])}), flush=True)
         elif "sleep" in step:  # let write-behind land before another process looks
             time.sleep(step["sleep"])
+            settle(tier_folders(spec["cache"]))
         elif "touch" in step:
             open(step["touch"], "w").close()
         elif "wait_for" in step:

@@ -158,6 +158,18 @@ class Server:
                 return value
             time.sleep(0.5)
 
+    def entries(self) -> set[str]:
+        """The names of the entry files in the DRAM tier now."""
+        return {p.name for p in (self.tiers / "dram").rglob("*") if p.is_file() and len(p.name) == 32}
+
+    def wait_stored(self, before: set[str], chunks: int, timeout: float = 30.0) -> None:
+        """Wait until the write-behind has put ``chunks`` new entries in DRAM (since
+        ``before``): a fixed sleep is not enough on a machine that stalls for seconds."""
+        deadline = time.monotonic() + timeout
+        while len(self.entries() - before) < chunks:
+            assert time.monotonic() < deadline, f"{chunks} chunk(s) not stored in {timeout:.0f} s"
+            time.sleep(0.1)
+
     def tail(self) -> str:
         return self.log.read_text()[-4000:] if self.log.exists() else ""
 
@@ -465,10 +477,11 @@ def test_cache_salt_through_invocations(server):
     """A prompt stored under one salt (sent as TGI's ``cache_salt`` parameter) is loaded
     from our tiers only by a request with the same salt (sent as OpenAI's field), never
     by another salt or by none (vLLM's own prefix cache is off on this server)."""
+    before = server.entries()
     r = server.post({"inputs": SALTED_PROMPT, "parameters": {"max_new_tokens": 1,
                                                               "cache_salt": "tenant-a"}})
     assert r.status_code == 200, r.text
-    time.sleep(1.0)  # the write-behind stores the chunks
+    server.wait_stored(before, len(SALTED_PROMPT) // 256)
 
     def loaded(**salt) -> int:
         out = server.post({"prompt": SALTED_PROMPT, "max_tokens": 1, **salt}).json()
@@ -524,9 +537,9 @@ def test_warm_up_ran_before_the_engine_and_its_prompt_is_a_hit(server):
 @engine
 def test_repeated_long_prompt_is_served_from_our_tiers(server):
     body = {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 5}
-    before = server.tier_metric("tokens_loaded", "dram")
+    before, stored = server.tier_metric("tokens_loaded", "dram"), server.entries()
     first = server.post(body).json()
-    time.sleep(1.0)  # the write-behind stores the chunks
+    server.wait_stored(stored, len(LONG_PROMPT) // 256)
     second = server.post(body).json()
     assert second["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1024
     # the connector's own counter, through vLLM's stats pipeline (one step behind at most)
@@ -548,10 +561,11 @@ def test_explain_header_on_request_and_misses_by_cause(server):
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
     miss = re.compile(r'^kvcache:misses_total{[^}]*cause="never_stored"[^}]*} (\S+)$', re.M)
     before = sum(float(v) for v in miss.findall(server.client.get("/metrics").text))
+    stored = server.entries()
     cold = server.post(body, headers={"X-Kvcache-Explain": "true"})
     assert cold.status_code == 200, cold.text
     assert re.fullmatch(r"never_stored:0-1\d\d\d", cold.headers["X-Kvcache-Explain"])  # ~1,300 tokens
-    time.sleep(1.0)  # the write-behind stores the chunks
+    server.wait_stored(stored, len(prompt) // 256)
     hit = server.post(body, headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=7; kvcache-explain=true"})
     assert hit.headers["X-Kvcache-Explain"] == "dram:" + cold.headers["X-Kvcache-Explain"].split(":", 1)[1]
     assert hit.headers["X-Amzn-SageMaker-Custom-Attributes"] == "kvcache-explain=" + hit.headers["X-Kvcache-Explain"]
@@ -573,8 +587,9 @@ def test_inspect_repair_while_the_server_uses_the_folders(server):
 
     prompt = "".join(chr(97 + (i * 19) % 26) for i in range(1300))
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    stored = server.entries()
     server.post(body)
-    time.sleep(1.0)  # the write-behind stores the chunks
+    server.wait_stored(stored, len(prompt) // 256)
     dram = server.tiers / "dram"
     newest = max((p for p in dram.rglob("*") if p.is_file() and len(p.name) == 32), key=lambda p: p.stat().st_mtime)
     raw = bytearray(newest.read_bytes())
@@ -600,10 +615,11 @@ def test_inspect_repair_while_the_server_uses_the_folders(server):
     assert f"orphan    {crashed}" in found.stdout and "MISMATCH" in found.stdout
     fixed = inspect("--repair")
     assert fixed.returncode == 0 and not newest.exists() and not os.path.exists(crashed), fixed.stdout
+    stored = server.entries()
     again = server.post(body).json()  # the chunks left load; the removed one is computed again
     loaded = again["kv_transfer_params"]["kvcache_loaded_tokens"]
     assert loaded.get("dram", 0) >= 1024, again["kv_transfer_params"]
-    time.sleep(1.0)
+    server.wait_stored(stored, 1)
     assert server.post(body).json()["kv_transfer_params"]["kvcache_loaded_tokens"]["dram"] >= 1299
     clean = inspect("--verify")
     assert clean.returncode == 0 and "MISMATCH" not in clean.stdout, clean.stdout
@@ -616,8 +632,9 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
     logprobs of the first server's tier hit (the same KV bytes, one token computed)."""
     prompt = "".join(chr(97 + (i * 5) % 26) for i in range(1300))
     body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 5}
+    stored = server.entries()
     server.post(body)
-    time.sleep(1.0)
+    server.wait_stored(stored, len(prompt) // 256)
     first = server.post(body).json()  # a DRAM hit: a second use, published to L3
     assert sum(first["kv_transfer_params"]["kvcache_loaded_tokens"].values()) >= 1024
     other = start_server(tmp_path, model_path, {"KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv",
