@@ -40,9 +40,10 @@ former's next victim and the new one's own. A new policy starts cold, so a switc
 more here than between exact experts (``cache.policy.panel`` has the measured cost).
 
 Nothing is fitted to a trace: the experts are published policies with their published
-constants, the switch rule is a one-standard-error test (the tier's worst case is
+constants, the switch rule is a standard-error test (the tier's worst case is
 bounded by the best expert less the turnovers its switches cost, not by a fitted
-threshold), and the tier starts with the plainest expert (``prefix-lru``). The capacity
+threshold; ``cache.policy.panel`` says why half a standard error while exact), and a
+last tier starts with ``prefix-lru+admission`` (an upper tier with ``prefix-lru``). The capacity
 is not given: it is learned as the largest resident count seen once the store first
 asks for a victim.
 
