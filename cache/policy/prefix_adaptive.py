@@ -57,7 +57,7 @@ index; ARC's and S3-FIFO's ghosts add about one more) and the frequency sketch, 
 experts' fixed cost (about ``SAMPLED_SLOTS`` entries each, whatever the tier's size):
 about 100 bytes per tracked chunk plus 34 MiB, i.e. about 1 GiB for 10 million chunks
 (``tests/test_policy.py`` and ``bench/bench_policy.py`` measure it). While exact, the
-four experts hold every chunk: about 240 bytes per tracked chunk, at most about 30 MiB.
+four experts hold every chunk: about 190 bytes per tracked chunk, at most about 24 MiB.
 """
 
 from __future__ import annotations
