@@ -294,13 +294,14 @@ def main(argv: List[str] | None = None) -> int:
     lines += [f"| {p} | {rate[p]:,.0f} |" for p in policies]
     lines += [
         "",
-        f"Memory of `{ours}`: {mem:.0f} bytes per tracked chunk (tracemalloc, "
-        f"{args.memory_chunks:,} resident chunks, churning), i.e. "
-        f"{mem * 10e6 / 2**30:.2f} GiB for 10 million chunks if every chunk were simulated "
-        f"by every expert; beyond {ExpertPanel.SAMPLED_SLOTS:,} chunks the experts are "
+        f"Memory of `{ours}` (tracemalloc, full tier, churning): up to "
+        f"{ExpertPanel.SAMPLED_SLOTS:,} chunks of capacity its experts are simulated "
+        f"exactly, every one holding every chunk: {mem:.0f} bytes per tracked chunk "
+        f"(measured at {args.memory_chunks:,} chunks), at most "
+        f"{mem * ExpertPanel.SAMPLED_SLOTS / 2**20:.0f} MiB. Beyond, the experts are "
         f"sampled: {sampled_mem:.0f} bytes per tracked chunk plus "
-        f"{experts_mem / 2**20:.0f} MiB, i.e. "
-        f"{(sampled_mem * 10e6 + experts_mem) / 2**30:.2f} GiB for 10 million.",
+        f"{experts_mem / 2**20:.0f} MiB of experts, i.e. "
+        f"{(sampled_mem * 10e6 + experts_mem) / 2**30:.2f} GiB for 10 million chunks.",
         "",
     ]
     table = "\n".join(lines)

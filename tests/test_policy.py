@@ -389,16 +389,26 @@ def test_compact_experts_decide_as_the_classics(compact, classic, capacity):
     assert replay(trace, compact(), capacity).hit_blocks == replay(trace, classic(), capacity).hit_blocks
 
 
+def _starting_with(p: PrefixAdaptivePolicy, expert: str) -> PrefixAdaptivePolicy:
+    p.panel.lead = p.panel.names.index(expert)
+    return p
+
+
+def test_a_last_tier_starts_with_admission_an_upper_tier_with_prefix_lru():
+    assert PrefixAdaptivePolicy().leader == "prefix-lru+admission"
+    assert PrefixAdaptivePolicy(last_tier=False).leader == "prefix-lru"
+
+
 def test_tier_mirrors_its_leader_and_switches_on_evidence():
-    """On scans mixed into a hot set, recency (the starting leader) loses to the
-    frequency-aware experts: the tier switches, and ends about as good as the best
+    """On scans mixed into a hot set, plain recency (made the starting leader here) loses
+    to the frequency-aware experts: the tier switches, and ends about as good as the best
     classic (less what learning it cost on a short trace)."""
     from cache.tools.trace import capacity_for_fraction
     from cache.tools.workloads import generate
 
     trace = generate("scan", seed=1, scale=0.05)
     cap = capacity_for_fraction(trace, 0.05)
-    p = PrefixAdaptivePolicy()
+    p = _starting_with(PrefixAdaptivePolicy(), "prefix-lru")
     ours = replay(trace, p, cap).token_hit_ratio
     assert p.switches >= 1 and p.leader != "prefix-lru"
     best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
@@ -414,7 +424,7 @@ def test_sampled_experts_stay_small_and_the_tier_still_follows_the_evidence():
 
     trace = generate("scan", seed=1, scale=0.05)
     cap = capacity_for_fraction(trace, 0.2)
-    p = _sampled(128)
+    p = _starting_with(_sampled(128), "prefix-lru")
     ours = replay(trace, p, cap).token_hit_ratio
     panel = p.panel
     assert panel.rate <= 1 / 4 and panel.scap <= 128

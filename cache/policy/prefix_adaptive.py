@@ -40,9 +40,10 @@ former's next victim and the new one's own. A new policy starts cold, so a switc
 more here than between exact experts (``cache.policy.panel`` has the measured cost).
 
 Nothing is fitted to a trace: the experts are published policies with their published
-constants, the switch rule is a one-standard-error test (the tier's worst case is
+constants, the switch rule is a standard-error test (the tier's worst case is
 bounded by the best expert less the turnovers its switches cost, not by a fitted
-threshold), and the tier starts with the plainest expert (``prefix-lru``). The capacity
+threshold; ``cache.policy.panel`` says why half a standard error while exact), and a
+last tier starts with ``prefix-lru+admission`` (an upper tier with ``prefix-lru``). The capacity
 is not given: it is learned as the largest resident count seen once the store first
 asks for a victim.
 
@@ -56,7 +57,7 @@ index; ARC's and S3-FIFO's ghosts add about one more) and the frequency sketch, 
 experts' fixed cost (about ``SAMPLED_SLOTS`` entries each, whatever the tier's size):
 about 100 bytes per tracked chunk plus 34 MiB, i.e. about 1 GiB for 10 million chunks
 (``tests/test_policy.py`` and ``bench/bench_policy.py`` measure it). While exact, the
-four experts hold every chunk: about 240 bytes per tracked chunk, at most about 30 MiB.
+four experts hold every chunk: about 190 bytes per tracked chunk, at most about 24 MiB.
 """
 
 from __future__ import annotations
