@@ -135,6 +135,8 @@ def load_estimates(metrics: dict) -> dict:
     def total(prefix: str) -> float:
         return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
+    if not metrics:  # no metric came back (stat loggers off): nothing known
+        return {}
     n = total("kvcache:loads_total")
     if not n:
         return {"loads": 0}

@@ -48,6 +48,7 @@ def test_load_estimates_per_load():
     assert est["loads"] == 4 and est["cut_short"] == 1
     assert abs(est["estimate_ms"] - 50.0) < 1e-9 and abs(est["actual_ms"] - 75.0) < 1e-9
     assert ttft_partial.load_estimates({"kvcache:requests_by_path_total{path=recompute}": 5.0}) == {"loads": 0}
+    assert ttft_partial.load_estimates({}) == {}
 
 
 def test_markdown_shows_rows_with_and_without_estimates():
