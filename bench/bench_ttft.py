@@ -572,7 +572,9 @@ def markdown(result: dict) -> str:
     if result.get("restored_rows"):
         lines[4:4] = [f"The last run measured some scenarios only; these rows are kept from the saved run "
                       f"(floors recomputed with this run's bandwidths): {', '.join(result['restored_rows'])}. "
-                      "The measured column says when each row was measured.", ""]
+                      "The measured column says when each row was measured; a ratio between rows of two runs "
+                      "also compares two states of this shared machine (compare the cold and l0 rows of each).",
+                      ""]
     for r in s["table"]:
         if r["error"] and r["median_ms"] is None:
             lines.append(f"| {r['scenario']} | {r['size']} | FAILED: {r['error'][:80]} | | | | | | |")
@@ -728,8 +730,10 @@ def readme_section(result: dict) -> str:
     by = {(r["scenario"], r["size"]): r for r in s["table"]}
     head = "| | " + " | ".join(f"{n} tokens" for n in sizes) + " |"
     rule = "| --- |" + " ---: |" * len(sizes)
+    kept = result.get("restored_rows")
     lines = [f"Median TTFT in ms ({cfg['machine']}; model and method: "
-             "[bench/results/ttft.md](bench/results/ttft.md)):", "", head, rule]
+             "[bench/results/ttft.md](bench/results/ttft.md)"
+             + (f"; kept from an earlier run: {', '.join(kept)}" if kept else "") + "):", "", head, rule]
     for name in README_ROWS:
         if any((name, n) in by for n in sizes):
             lines.append(f"| {name} | " + " | ".join(fmt(by.get((name, n), {}).get("median_ms")) for n in sizes) + " |")
