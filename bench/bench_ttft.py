@@ -57,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench import pagecache, peers, readme  # noqa: E402
+from bench import pagecache, peers, readme, ttft_saved  # noqa: E402
 from bench.ttft_engine import EngineProcess  # noqa: E402
 
 # A 12-layer x 768 bf16 model took minutes for one cold 4K prefill on this 2-core AVX2
@@ -108,6 +108,7 @@ class Bench:
         self.errors: list[str] = []
         self.timings: dict[str, float] = {}
         self.checks: list[dict] = []
+        self.measured: dict[tuple[str, int], str] = {}  # rows kept from a saved run (bench.ttft_saved)
         self.bandwidth: dict = {}
         self.bytes_per_token = self.bytes_per_token_of(args.shape)
         self.max_model_len = max(self.sizes) + 256
@@ -137,9 +138,11 @@ class Bench:
     def row(self, scenario: str, size: int) -> Row:
         return self.rows.setdefault((scenario, size), Row(scenario, size))
 
-    def engine(self, name: str, kv_transfer: Optional[dict], wait: bool = True) -> EngineProcess:
+    def engine(self, name: str, kv_transfer: Optional[dict], wait: bool = True,
+               log_stats: bool = False) -> EngineProcess:
+        """``log_stats``: vLLM's stat loggers on, so the engine answers ``op="metrics"``."""
         spec = {"model": self.args.model_path, "dtype": DTYPE, "max_model_len": self.max_model_len,
-                "kv_transfer": kv_transfer}
+                "kv_transfer": kv_transfer, "log_stats": log_stats}
         log(f"[{name}] starting engine")
         e = EngineProcess(spec, os.path.join(self.logs, f"{name}.log"), env=self.engine_env, wait=wait)
         if not wait:
@@ -563,9 +566,15 @@ def markdown(result: dict) -> str:
         "over paired l0: median TTFT minus the median of the l0 hits measured alternately with it "
         "in the same engine (what the connector adds over vLLM's own prefix cache).",
         "",
-        "| scenario | prompt tokens | median TTFT ms | min–max ms | hit tokens | floor ms | TTFT / floor | 1-token floor ms | TTFT / 1-token floor | TTFT / l0 | over paired l0 ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scenario | prompt tokens | median TTFT ms | min–max ms | hit tokens | floor ms | TTFT / floor | 1-token floor ms | TTFT / 1-token floor | TTFT / l0 | over paired l0 ms | measured |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    if result.get("restored_rows"):
+        lines[4:4] = [f"The last run measured some scenarios only; these rows are kept from the saved run "
+                      f"(floors recomputed with this run's bandwidths): {', '.join(result['restored_rows'])}. "
+                      "The measured column says when each row was measured; a ratio between rows of two runs "
+                      "also compares two states of this shared machine (compare the cold and l0 rows of each).",
+                      ""]
     for r in s["table"]:
         if r["error"] and r["median_ms"] is None:
             lines.append(f"| {r['scenario']} | {r['size']} | FAILED: {r['error'][:80]} | | | | | | |")
@@ -577,7 +586,8 @@ def markdown(result: dict) -> str:
             f"{min(r['hit_tokens']) if r['hit_tokens'] else '–'} | "
             f"{fmt(r['floor_ms'])}{' (' + r['floor_kind'] + ')' if r['floor_kind'] else ''} | "
             f"{fmt(r['vs_floor'], '.2f')} | {fmt(r.get('floor1_ms'))} | {fmt(r.get('vs_floor1'), '.2f')} | "
-            f"{fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} |")
+            f"{fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} | "
+            f"{r.get('measured') or ttft_saved.EARLIER} |")
     l3_bw = cfg.get("l3_bandwidth")
     lines += ["", "Floors: `l0 + KV bytes / bandwidth` (the issue's floor) and `l0 1-token + KV bytes / bandwidth` "
               "(the compute no hit avoids); KV bytes: all but the last token's; bandwidths measured on this machine"
@@ -623,6 +633,10 @@ def markdown(result: dict) -> str:
             lines[-1] += ("; the same statistic between two instances of one configuration (what the "
                           "ratio reads when nothing differs): " + ", ".join(
                               f"{k} {v:.3f}" for k, v in tp["instance_spread"].items()))
+        run = result.get("throughput_run")
+        if run:
+            lines[-1] += (f". Measured in a throughput-only run ({run.get('utc', 'date not recorded')}; "
+                          f"machine: {run['machine']}; {run['wall_s'] / 60:.1f} min)")
     if result["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
     return "\n".join(lines) + "\n"
@@ -716,8 +730,10 @@ def readme_section(result: dict) -> str:
     by = {(r["scenario"], r["size"]): r for r in s["table"]}
     head = "| | " + " | ".join(f"{n} tokens" for n in sizes) + " |"
     rule = "| --- |" + " ---: |" * len(sizes)
+    kept = result.get("restored_rows")
     lines = [f"Median TTFT in ms ({cfg['machine']}; model and method: "
-             "[bench/results/ttft.md](bench/results/ttft.md)):", "", head, rule]
+             "[bench/results/ttft.md](bench/results/ttft.md)"
+             + (f"; kept from an earlier run: {', '.join(kept)}" if kept else "") + "):", "", head, rule]
     for name in README_ROWS:
         if any((name, n) in by for n in sizes):
             lines.append(f"| {name} | " + " | ".join(fmt(by.get((name, n), {}).get("median_ms")) for n in sizes) + " |")
@@ -785,7 +801,8 @@ def merge_throughput(saved_path: str, new: dict) -> dict:
     result["config"]["throughput"] = new["config"]["throughput"]
     timings = {k: v for k, v in result.get("timings_s", {}).items() if not k.startswith("start:tput-")}
     result["timings_s"] = {**timings, **{k: v for k, v in new["timings_s"].items() if k.startswith("start:tput-")}}
-    result["throughput_run"] = {"machine": new["config"]["machine"], "wall_s": new["wall_s"]}
+    result["throughput_run"] = {"machine": new["config"]["machine"], "wall_s": new["wall_s"],
+                                "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     return result
 
 
@@ -837,6 +854,15 @@ def main(argv=None) -> int:
                 shutil.rmtree(os.path.join(args.workdir, sub), ignore_errors=True)
     import vllm
 
+    saved = os.path.join(args.out, "ttft.json")
+    restored, old = [], {}
+    if only and only != {"throughput"} and os.path.exists(saved):  # keep the rows not run now
+        with open(saved) as f:
+            old = json.load(f)
+        restored = ttft_saved.restore_rows(bench, old, Row, "throughput" in only)
+        log(f"kept from {saved}: {', '.join(restored) or 'nothing'}")
+    summary = bench.summary()
+    ttft_saved.stamp_rows(bench, summary["table"])
     result = {
         "config": {
             "shape": args.shape, "dtype": DTYPE, "bytes_per_token": bench.bytes_per_token,
@@ -849,14 +875,16 @@ def main(argv=None) -> int:
             "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib, "l3_bandwidth": args.l3_bandwidth,
         },
         "bandwidth": bench.bandwidth,
-        "summary": bench.summary(),
+        "summary": summary,
+        "restored_rows": restored,
         "page_cache_checks": bench.checks,
         "timings_s": bench.timings,
         "errors": bench.errors,
         "wall_s": time.perf_counter() - t_start,
     }
+    if old.get("throughput_run") and "throughput" not in only:
+        result["throughput_run"] = old["throughput_run"]
     os.makedirs(args.out, exist_ok=True)
-    saved = os.path.join(args.out, "ttft.json")
     if only == {"throughput"} and os.path.exists(saved) and not bench.errors:
         result = merge_throughput(saved, result)
         log(f"merged this throughput run into {saved}; the TTFT rows are those saved there")
@@ -867,7 +895,7 @@ def main(argv=None) -> int:
         f.write(md)
     print("\n" + md)
     log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
-    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and (not only or only == {"throughput"}):
+    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and (not only or only == {"throughput"} or restored):
         if write_readme(result):
             log("README.md: benchmark section updated")
     return 1 if bench.errors else 0

@@ -13,6 +13,9 @@ Commands::
     {"op": "batch", "prompts": [[ids]...], "max_tokens": N}   all submitted at once:
         {"seconds", "prompt_tokens", "output_tokens"}
     {"op": "reset"}                                     reset vLLM's prefix cache
+    {"op": "metrics"}   our connector's Prometheus samples in this process (``kvcache:*``;
+        the spec's ``log_stats`` must be true, or vLLM feeds no metric):
+        {"metrics": {"name{labels}": value}}
     {"op": "quit"}
 
 TTFT is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1``: the
@@ -47,10 +50,28 @@ def _engine(spec: dict):
         enforce_eager=True,
         enable_prefix_caching=spec.get("prefix_caching", True),
         seed=0,
+        disable_log_stats=not spec.get("log_stats", False),
     )
     if spec.get("kv_transfer"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
     return LLM(**kwargs)
+
+
+def kvcache_samples() -> dict[str, float]:
+    """Our connector's metrics as vLLM's stat logger left them in this process's
+    Prometheus registry (counters and gauges; ``_created`` samples left out)."""
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for metric in REGISTRY.collect():
+        if not metric.name.startswith("kvcache:"):
+            continue
+        for s in metric.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
 
 
 def main() -> None:
@@ -89,6 +110,8 @@ def main() -> None:
             answer = {"seconds": seconds,
                       "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        elif op == "metrics":
+            answer = {"metrics": kvcache_samples()}
         else:
             answer = {"ok": True}
         reply.write(json.dumps(answer) + "\n")

@@ -96,9 +96,10 @@ def run_sweep(bench) -> None:
     size = bench.args.sweep_size
     prompt = bench.prompt("sweep", size)
     stored = False
+    bench.sweep_metrics = {}
     for cap in bench.args.sweep_caps:
         kv, folder = _engine_config(bench, "l3", "sweep", cap)
-        with bench.engine(f"sweep-{cap / 1e6:.0f}MBps", kv) as e:
+        with bench.engine(f"sweep-{cap / 1e6:.0f}MBps", kv, log_stats=True) as e:
             # warm-up, which also gives the cost model its first measurements: a cold
             # prefill, then a hit of it through this cap
             warm = bench.prompt(f"sweep-warm-{cap:.0f}", size)
@@ -109,6 +110,7 @@ def run_sweep(bench) -> None:
             bench.wait_stable(folder, quiet_s=2.0)
             bench.ttft(e, warm, reset=True)
             bench.ttft(e, warm, reset=True)
+            before = e.call(op="metrics")["metrics"]
             for i in range(bench.hit_repeats):
                 r = bench.ttft(e, prompt, reset=True)
                 bench.record(f"sweep {cap / 1e6:.0f} MB/s", size, r, loaded_tokens(r).get("shared", 0),
@@ -116,6 +118,31 @@ def run_sweep(bench) -> None:
                 rc = bench.ttft(e, prompt, reset=True, ours=False)
                 bench.record(f"sweep recompute {cap / 1e6:.0f} MB/s", size, rc, rc["num_cached_tokens"], cap=cap)
                 bench.one_token_l0(e, prompt, f"sweep l0 1-token {cap / 1e6:.0f} MB/s", size)
+            after = e.call(op="metrics")["metrics"]
+            bench.sweep_metrics[cap] = {k: v - before.get(k, 0.0) for k, v in after.items()
+                                        if k.startswith(COST_METRICS) and v != before.get(k, 0.0)}
+
+
+# The connector's metrics a sweep row keeps (deltas over its measured requests): what
+# the cost model chose and its load estimates against the measured load times.
+COST_METRICS = ("kvcache:requests_by_path", "kvcache:loads", "kvcache:load_seconds", "kvcache:load_estimated",
+                "kvcache:loads_cut_short")
+
+
+def load_estimates(metrics: dict) -> dict:
+    """Per load (ms): the cost model's estimate and the measured time of the loads it
+    estimated, from a sweep row's metric deltas; loads cut short at their deadline."""
+    def total(prefix: str) -> float:
+        return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+    if not metrics:  # no metric came back (stat loggers off): nothing known
+        return {}
+    n = total("kvcache:loads_total")
+    if not n:
+        return {"loads": 0}
+    return {"loads": int(n), "estimate_ms": total("kvcache:load_estimated_seconds_total") / n * 1e3,
+            "actual_ms": total("kvcache:load_estimated_actual_seconds_total") / n * 1e3,
+            "cut_short": int(total("kvcache:loads_cut_short_total"))}
 
 
 # -- report ----------------------------------------------------------------------------
@@ -158,11 +185,20 @@ def summarize(bench) -> dict:
         floor = min(x for x in (recompute, load) if x is not None) if recompute or load else None
         row = bench.rows[(f"sweep {tag}", size)]
         worst = max(s * 1e3 / recompute for s in row.samples_s) if recompute else None
+        metrics = getattr(bench, "sweep_metrics", {}).get(cap, {})
         sweep.append({"cap": cap, "size": size, "median_ms": med, "samples_ms": [s * 1e3 for s in row.samples_s],
                       "loaded": row.hit_tokens, "recompute_ms": recompute, "full_load_ms": load, "floor_ms": floor,
                       "vs_floor": med / floor if floor else None, "worst_vs_recompute": worst,
-                      "target": SWEEP_TARGET})
+                      "target": SWEEP_TARGET, "metrics": metrics, "load_estimates": load_estimates(metrics),
+                      "measured": measured_at(row)})
     return {"partial": partial, "sweep": sweep}
+
+
+def measured_at(row) -> dict:
+    """When a row was measured (this run's end, UTC) and the machine's 1-minute load
+    average at each of its samples (``bench_ttft.Bench.record``)."""
+    return {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "loadavg_1m": [d.get("loadavg_1m") for d in row.detail]}
 
 
 def _f(x, spec=".1f") -> str:
@@ -193,17 +229,29 @@ def markdown(extra: dict) -> list[str]:
                   "(`KVCACHE_SHARED_BANDWIDTH`, one engine per cap); the cost model chooses what to load. "
                   "Recompute: the same prompt with loading off, prefix cache reset, alternated with the hits. "
                   "Full load = one-token l0 + KV bytes / cap. Worst / recompute: the slowest hit over the "
-                  "median recompute (no request should wait on the tier longer than recomputing).",
+                  "median recompute (no request should wait on the tier longer than recomputing). "
+                  "Load estimate / actual: per load of the measured hits, the cost model's estimate and the "
+                  "measured load time (`kvcache:load_estimated_seconds` and `kvcache:load_estimated_actual_"
+                  "seconds` over `kvcache:loads`; rows measured before these were recorded show –). "
+                  "Measured: the run's end (UTC) and the 1-minute load average over the hits.",
                   "", "| cap MB/s | prompt | median TTFT ms | tokens loaded | recompute ms | full load ms "
-                  "| floor = min ms | TTFT / floor | worst / recompute | target |",
-                  "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "| floor = min ms | TTFT / floor | worst / recompute | target | load estimate / actual ms "
+                  "| measured |",
+                  "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
         for r in extra["sweep"]:
             met = "–" if r["vs_floor"] is None else ("met" if r["vs_floor"] <= r["target"] else "**NOT met**")
             loaded = sorted(set(r["loaded"]))
+            est = r.get("load_estimates") or {}
+            when = r.get("measured") or {}
+            loads = [x for x in when.get("loadavg_1m") or [] if x is not None]
             lines.append(f"| {r['cap'] / 1e6:,.0f} | {r['size']} | {_f(r['median_ms'])} | "
                          f"{', '.join(map(str, loaded))} | {_f(r['recompute_ms'])} | {_f(r['full_load_ms'])} | "
                          f"{_f(r['floor_ms'])} | {_f(r['vs_floor'], '.2f')} | {_f(r['worst_vs_recompute'], '.2f')} "
-                         f"| ≤ {r['target']} {met} |")
+                         f"| ≤ {r['target']} {met} | "
+                         + (f"{_f(est.get('estimate_ms'))} / {_f(est.get('actual_ms'))}" if est.get("loads")
+                            else ("no load" if est else "–"))
+                         + " | " + (f"{when.get('utc', '?')}, load {min(loads):.1f}–{max(loads):.1f}" if loads
+                                    else "–") + " |")
     return lines
 
 
@@ -251,6 +299,17 @@ def parse_args(argv):
     return args
 
 
+def merge_saved(extra: dict, old: dict, only: list[str], sizes: list[int], caps: list[float]) -> dict:
+    """This run's tables (``summarize``) with the saved rows it did not measure: partial
+    rows of the tiers or prefix sizes not run, sweep rows of the caps not run."""
+    partial = extra["partial"] + [r for r in old.get("partial", [])
+                                  if f"partial-{r['tier']}" not in only or r["prefix"] not in sizes]
+    partial.sort(key=lambda r: (("dram", "disk", "l3").index(r["tier"]), r["prefix"], r["suffix"]))
+    sweep = extra["sweep"] + [r for r in old.get("sweep", []) if "sweep" not in only or r["cap"] not in caps]
+    sweep.sort(key=lambda r: -r["cap"])
+    return {**extra, "partial": partial, "sweep": sweep}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--render"]:  # the report again from the saved JSON (no measurement)
@@ -275,16 +334,13 @@ def main(argv=None) -> int:
         shutil.rmtree(args.workdir, ignore_errors=True)
     extra = summarize(bench)
     saved = os.path.join(args.out, "ttft_partial.json")
-    if os.path.exists(saved):  # a run of some scenarios or sizes keeps the others' figures
+    if os.path.exists(saved):  # a run of some scenarios, sizes or caps keeps the others' figures
         with open(saved) as f:
-            old = json.load(f)
-        extra["partial"] += [r for r in old.get("partial", [])
-                             if f"partial-{r['tier']}" not in args.only or r["prefix"] not in args.sizes]
-        extra["partial"].sort(key=lambda r: (("dram", "disk", "l3").index(r["tier"]), r["prefix"], r["suffix"]))
-        extra["sweep"] = extra["sweep"] if "sweep" in args.only else old.get("sweep", [])
+            extra = merge_saved(extra, json.load(f), args.only, args.sizes, args.sweep_caps)
     result = {"config": {"shape": args.shape, "dtype": bench_ttft.DTYPE, "bytes_per_token": bench.bytes_per_token,
                          "sizes": args.sizes, "hit_repeats": args.hit_repeats, "sweep_caps": args.sweep_caps,
                          "sweep_size": args.sweep_size, "l3_bandwidth": args.l3_bandwidth,
+                         "scenarios": args.only,
                          "machine": f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f} at end"},
               "bandwidth": bench.bandwidth, **extra, "errors": bench.errors,
               "timings_s": bench.timings, "wall_s": time.perf_counter() - t_start}
@@ -301,8 +357,11 @@ def write_report(result: dict, out: str) -> None:
     cfg = result["config"]
     head = ["# TTFT of partial hits and of the shared tier's bandwidth sweep", "",
             f"Model: random-weight Llama, {cfg['shape']}, {cfg['dtype']}, {cfg['bytes_per_token']:,} KV "
-            f"bytes/token; median of {cfg['hit_repeats']} samples after a warm-up round; machine: "
-            f"{cfg['machine']}; the last run took {result['wall_s'] / 60:.1f} min."]
+            f"bytes/token; median of the samples after a warm-up round. The last run ("
+            + (f"{', '.join(cfg['scenarios'])}; " if cfg.get("scenarios") else "")
+            + f"{cfg['hit_repeats']} samples a row; machine: "
+            f"{cfg['machine']}) took {result['wall_s'] / 60:.1f} min; rows it did not measure are kept "
+            "from earlier runs."]
     errors = ["", "Errors in the last run: " + "; ".join(map(_short, result["errors"]))] if result["errors"] else []
     md = "\n".join(head + markdown(result) + errors) + "\n"
     with open(os.path.join(out, "ttft_partial.md"), "w") as f:
