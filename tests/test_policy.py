@@ -534,3 +534,26 @@ def test_memory_fits_ten_million_chunks_in_under_1_6_gib():
     print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk + {fixed / 2**20:.0f} MiB "
           f"of experts -> {total / 2**30:.2f} GiB for 10 million")
     assert total < 1.6 * 2**30
+
+
+def test_a_switch_undone_within_its_window_doubles_the_evidence_the_next_needs():
+    """Two experts trading a narrow lead batch by batch: the first switch back within its
+    evidence window doubles the lead a challenger needs; a window with no switch halves it back."""
+    from cache.policy.panel import ExpertPanel
+
+    panel = ExpertPanel(last_tier=False, history=FrequencySketch(64, 640))
+    panel.resize(1000, full=True)
+
+    def batch(hits: Dict[int, int]) -> bool:
+        panel._batch = [hits.get(i, 0) for i in range(len(panel.experts))]
+        panel.nacc = panel.BATCH
+        return panel.weigh()
+
+    assert panel.lead == 0
+    assert batch({1: 8})                                 # arc leads by 8 hits: switch
+    assert panel.lead == 1 and panel.backoff == 1
+    assert batch({0: 30})                                # prefix LRU wins it back at once
+    assert panel.lead == 0 and panel.backoff == 2        # undone within its window
+    while panel.backoff > 1:                             # a stable stretch halves it back
+        assert not batch({})
+    assert panel.lead == 0 and panel.switches == 2
