@@ -11,7 +11,10 @@ read (DRAM: shared ``MAP_POPULATE`` mmap of a tmpfs file; disk: ``readv`` into a
 buffer, page cache dropped) and the entry check (``decode``: header + XXH3-128 of the
 payload), both through the store's timing hook around ``get``, and the copy into the
 paged KV cache (``scatter``: ``index_copy_`` per layer); and the disk path as the worker
-runs it (``get_async`` on the I/O threads, scatter in order). Compared with a plain
+runs it (``get_async`` on the I/O threads, scatter in order). Then the CPU worker's
+path: each entry read from its file straight into its blocks and verified there
+(``get_into``), on one thread (``placed``) and as the worker runs it, on the read
+threads and the loading thread in parallel (``placed_worker``). Compared with a plain
 memory copy of the same bytes.
 """
 
@@ -88,7 +91,8 @@ def main(argv=None) -> None:
                       host.view(torch.uint8).reshape(-1).numpy())
         store.flush()
         folder = args.shm if tier_name == "dram" else args.disk
-        steps = {"lookup": [], "read": [], "decode": [], "scatter": [], "sum": [], "worker_path": []}
+        steps = {"lookup": [], "read": [], "decode": [], "scatter": [], "sum": [], "worker_path": [],
+                 "placed": [], "placed_worker": []}
         for _ in range(args.repeats):
             if tier_name == "disk":
                 pagecache.drop(folder)
@@ -120,6 +124,22 @@ def main(argv=None) -> None:
                 copier.scatter(dst_blocks[i], src, 0)
                 del src, entry
             steps["worker_path"].append(time.perf_counter() - t)
+            # Read straight into the blocks and verified there (get_into), one thread, then
+            # as the CPU worker runs it: on the read threads and this one, in parallel.
+            for name, parallel in (("placed", False), ("placed_worker", True)):
+                if tier_name == "disk":
+                    pagecache.drop(folder)
+
+                def place(i):
+                    return lambda info: copier.place(dst_blocks[i], 0, info.dtype, info.shape)
+
+                t = time.perf_counter()
+                jobs = [store.run_read(store.get_into, k, place(i)) for i, k in enumerate(keys)] if parallel else []
+                for i, key in enumerate(keys):
+                    got = (store.get_into(key, place(i)) if not jobs or jobs[i].cancel()
+                           else jobs[i].result())
+                    assert got is not None
+                steps[name].append(time.perf_counter() - t)
         store.close()
         med = {k: statistics.median(v) for k, v in steps.items()}
         report["tiers"][tier_name] = {k: v * 1e3 for k, v in med.items()}

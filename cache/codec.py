@@ -52,6 +52,16 @@ class EntryInfo:
     payload_len: int
 
 
+@dataclass(frozen=True)
+class Seal:
+    """What a verified header says the payload must hash (and be signed) to."""
+
+    flags: int
+    checksum: bytes
+    mac: bytes
+    fields: bytes
+
+
 def _mac(signing_key: bytes, fields_without_mac: bytes, payload) -> bytes:
     m = hmac.new(signing_key, fields_without_mac, hashlib.sha256)
     m.update(payload)
@@ -108,22 +118,52 @@ def _parse_header(view: memoryview, namespace: bytes, key: str):
         raise CorruptEntry("entry stored under the wrong key")
     parent_key = None if parent == NO_PARENT else parent.hex()
     info = EntryInfo(parent_key, dtype.rstrip(b"\0").decode(), tuple(dims[:ndim]), payload_len)
-    return info, (flags, checksum, mac, fields)
+    return info, Seal(flags, checksum, mac, fields)
+
+
+def open_header(buf, namespace: bytes, key: str) -> tuple[EntryInfo, Seal]:
+    """Check an entry's header (its first ``HEADER_SIZE`` bytes, or more); its info and
+    what its payload must match (``PayloadCheck``), for a payload checked piece by piece."""
+    return _parse_header(memoryview(buf).cast("B"), namespace, key)
+
+
+class PayloadCheck:
+    """Checks a payload fed in pieces, in order (``update``), against its header's
+    seal: the checksum and, with a signing key, the signature (``verify`` raises
+    ``CorruptEntry``). For a payload copied elsewhere piece by piece: each piece is
+    hashed right after its copy, while it is still in the CPU's cache."""
+
+    def __init__(self, seal: Seal, signing_key: bytes = b"") -> None:
+        self.seal = seal
+        self.signed = bool(signing_key)
+        self._hash = xxhash.xxh3_128()
+        self._mac = None
+        if signing_key and seal.flags & FLAG_SIGNED:
+            self._mac = hmac.new(signing_key, seal.fields[: _FIELDS.size - 32] + b"\0" * 32, hashlib.sha256)
+
+    def update(self, piece) -> None:
+        self._hash.update(piece)
+        if self._mac is not None:
+            self._mac.update(piece)
+
+    def verify(self) -> None:
+        if self._hash.digest() != self.seal.checksum:
+            raise CorruptEntry("payload checksum mismatch")
+        if self.signed:
+            if self._mac is None:
+                raise UnsignedEntry("unsigned entry while a signing key is configured")
+            if not hmac.compare_digest(self._mac.digest(), self.seal.mac):
+                raise UnsignedEntry("signature mismatch")
 
 
 def decode(buf, namespace: bytes, key: str, signing_key: bytes = b"") -> tuple[EntryInfo, memoryview]:
     """Verify a whole entry and return its info and a zero-copy view of the payload."""
     view = memoryview(buf).cast("B")
-    info, (flags, checksum, mac, fields) = _parse_header(view, namespace, key)
+    info, seal = _parse_header(view, namespace, key)
     payload = view[HEADER_SIZE:]
     if len(payload) != info.payload_len:
         raise CorruptEntry(f"payload is {len(payload)} bytes, header says {info.payload_len}")
-    if xxhash.xxh3_128_digest(payload) != checksum:
-        raise CorruptEntry("payload checksum mismatch")
-    if signing_key:
-        if not flags & FLAG_SIGNED:
-            raise UnsignedEntry("unsigned entry while a signing key is configured")
-        unsigned = fields[: _FIELDS.size - 32] + b"\0" * 32
-        if not hmac.compare_digest(_mac(signing_key, unsigned, payload), mac):
-            raise UnsignedEntry("signature mismatch")
+    check = PayloadCheck(seal, signing_key)
+    check.update(payload)
+    check.verify()
     return info, payload

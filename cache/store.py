@@ -42,6 +42,7 @@ of ``get``, on the thread that ran them (benchmarks: ``bench/timed_connector.py`
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +52,7 @@ from typing import Callable, Optional, Sequence
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
 from cache.durability import CopyQueue
+from cache.placed import Misfit, Place, read_placed
 from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
@@ -211,19 +213,7 @@ class TieredStore:
             if self.timer is not None:
                 self.timer("read", t1 - t0)
                 self.timer("decode", t2 - t1)
-            st.hits += 1
-            st.bytes_read += len(payload) + HEADER_SIZE
-            st.load_seconds += t2 - t0
-            if self.policies is not None:
-                if i < self.n_local:
-                    with self._lock:
-                        self.policies[i].touch(key)
-                        reused = self.admission.on_hit(key)
-                    if reused:
-                        self._publish(key, [raw])
-                top = self._top_for(HEADER_SIZE + payload.nbytes) if promote else None
-                if top is not None and top < i:
-                    self._submit(self._promote, top, key, raw, info.parent)
+            self._hit(i, key, info, t2 - t0, raw, promote)
             return Entry(key, info, payload, i, raw)
         if self.tiers:
             self.stats.tiers[self.tiers[0].name].misses += 1
@@ -233,6 +223,71 @@ class TieredStore:
         """``get`` on an I/O thread."""
         assert self._io is not None, "lookup-only store"
         return self._io.submit(self.get, key)
+
+    def get_into(self, key: str, place: Place) -> Optional[tuple[int, EntryInfo]]:
+        """Like ``get`` for the local tiers that keep entries as files: the payload is read
+        straight into the buffers ``place(info)`` returns and verified there
+        (``cache.placed``). Returns the index of the tier it came from and the entry's
+        info, or None when no such tier holds a sound entry (the caller then uses
+        ``get``, for the shared tier; after a damaged entry the buffers hold garbage
+        until then). An entry that does not fit the caller (``place`` raised
+        ``ValueError``) raises ``Misfit``; it is kept. Blocks on file I/O."""
+        for i in range(self.n_local):
+            tier = self.tiers[i]
+            t0 = time.perf_counter()
+            try:
+                fd = tier.open_entry(key)
+            except KeyError:
+                continue
+            except Exception as e:
+                self._failed(tier, "reading", key, e)
+                continue
+            if fd is None:
+                return None  # entries without a file: ``get`` reads them
+            try:
+                info = read_placed(fd, self.namespace, key, place, self.signing_key, self.timer)
+            except CorruptEntry as e:
+                self.stats.tiers[tier.name].corrupt += 1
+                self._drop_bad(i, key, e)
+                continue
+            except OSError as e:
+                self._failed(tier, "reading", key, e)
+                continue
+            except ValueError as e:
+                raise Misfit(tier.name, str(e)) from e
+            finally:
+                os.close(fd)
+            self._hit(i, key, info, time.perf_counter() - t0, None, True)
+            return i, info
+        return None
+
+    def run_read(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on an I/O thread (work that calls ``get``/``get_into``)."""
+        assert self._io is not None, "lookup-only store"
+        return self._io.submit(fn, *args)
+
+    def _hit(self, i: int, key: str, info: EntryInfo, seconds: float, raw: Buffer, promote: bool) -> None:
+        """Count a verified read from tier ``i``; touch its policy; publish the entry if
+        it is now reused, promote it if an upper tier can hold it. ``raw`` is the whole
+        entry when the caller has it; otherwise the writer thread reads it again."""
+        st = self.stats.tiers[self.tiers[i].name]
+        st.hits += 1
+        st.bytes_read += info.payload_len + HEADER_SIZE
+        st.load_seconds += seconds
+        if self.policies is None:
+            return
+        if i < self.n_local:
+            with self._lock:
+                self.policies[i].touch(key)
+                reused = self.admission.on_hit(key)
+            if reused:
+                if raw is not None:
+                    self._publish(key, [raw])
+                elif self.shared is not None:
+                    self._submit(self._share_from, i, key)
+        top = self._top_for(HEADER_SIZE + info.payload_len) if promote else None
+        if top is not None and top < i:
+            self._submit(self._promote, top, key, raw, info.parent, i)
 
     # -- writes (write-behind) -------------------------------------------------
     def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
@@ -341,6 +396,22 @@ class TieredStore:
         (a pinned prefix; ``cache.pins``). Returns at once; nothing if no local tier has it."""
         if self.shared is not None and self._writer is not None:
             self._submit(self._share_local, key)
+
+    def _share_from(self, i: int, key: str) -> None:
+        """Publish the entry local tier ``i`` holds (just verified by a placed read)."""
+        raw = self._read_local(i, key)
+        if raw is not None:
+            self._publish(key, [raw])
+
+    def _read_local(self, i: int, key: str) -> Buffer:
+        """Local tier ``i``'s whole entry for ``key``, or None (gone, or the read failed)."""
+        try:
+            return self.tiers[i].read(key)
+        except KeyError:
+            return None
+        except Exception as e:
+            self._failed(self.tiers[i], "reading", key, e)
+            return None
 
     def _share_local(self, key: str) -> None:
         for tier in self.tiers[: self.n_local]:
@@ -471,8 +542,12 @@ class TieredStore:
                 return i
         return None
 
-    def _promote(self, top, key, raw, parent) -> None:
+    def _promote(self, top, key, raw, parent, source: int) -> None:
         if not self.tiers[top].contains(key):
+            if raw is None:  # read into the caller's buffers: read the file again
+                raw = self._read_local(source, key)
+                if raw is None:
+                    return
             self._store(top, key, parent, [raw])
             self.stats.tiers[self.tiers[top].name].promotions += 1
 

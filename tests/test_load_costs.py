@@ -20,6 +20,7 @@ from cache.cost import attention_pairs
 from cache.keys import Namespace
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
+from cache.vllm.kv_copy import BlockCopier
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVPromMetrics
 from cache.vllm.scheduler import SchedulerSide
@@ -134,8 +135,12 @@ def test_step_compute_goes_to_the_workers(setup):
 
 
 # -- worker side ---------------------------------------------------------------------
-@pytest.fixture
-def worker(tmp_path):
+@pytest.fixture(params=["placed", "copied"])
+def worker(tmp_path, request, monkeypatch):
+    """A worker with one stored chunk (blocks 0-1); "placed": loads read entries straight
+    into the CPU blocks (the CPU build's path), "copied": read, then copied (CUDA, hybrid)."""
+    if request.param == "copied":
+        monkeypatch.setattr(BlockCopier, "placeable", property(lambda self: False))
     side = WorkerSide(config(tmp_path), Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
                       num_blocks=8, block_size=BLOCK)
     torch.manual_seed(0)
@@ -176,6 +181,7 @@ def test_a_synchronous_load_reads_what_no_read_thread_has_started(worker, monkey
 
     side, caches = worker
     monkeypatch.setattr(side.store, "get_async", lambda key: Future())
+    monkeypatch.setattr(side.store, "run_read", lambda fn, *args: Future())
     side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():
@@ -191,7 +197,11 @@ def test_a_load_past_its_deadline_is_cut_short(worker, monkeypatch):
     def slow_get(key):  # a tier far slower than its estimate
         return slow.submit(lambda: (time.sleep(0.5), side.store.get(key))[1])
 
+    def slow_read(fn, *args):
+        return slow.submit(lambda: (time.sleep(0.5), fn(*args))[1])
+
     monkeypatch.setattr(side.store, "get_async", slow_get)
+    monkeypatch.setattr(side.store, "run_read", slow_read)
     side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], True,
                                                            estimate_s=0.01, deadline_s=0.05)]))
     assert finish(side) == {4, 5}  # vLLM recomputes them
@@ -200,7 +210,9 @@ def test_a_load_past_its_deadline_is_cut_short(worker, monkeypatch):
     meta = side.take_settled()
     assert (KEY, "recompute", "none") in meta.events and not meta.samples  # no rate from a cut load
     assert side.get_stats().data["load:async.cut_short"] == 1
-    slow.shutdown(wait=True)
+    slow.shutdown(wait=True)  # the late read has run by now, and wrote nothing
+    for n, t in caches.items():
+        assert torch.equal(t[4:6], before[n])
 
 
 def test_forward_passes_are_timed_less_the_loads(worker):

@@ -52,6 +52,12 @@ class Tier(ABC):
     def read(self, key: str) -> Buffer:
         """The whole encoded entry. Raises ``KeyError`` when absent."""
 
+    def open_entry(self, key: str) -> Optional[int]:
+        """An OS file descriptor open for reading on ``key``'s entry, which the caller
+        reads with ``pread`` and closes (``cache.placed``), or None for a tier whose
+        entries are not files (the caller uses ``read``). Raises ``KeyError`` when absent."""
+        return None
+
     @abstractmethod
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         """Publish ``parts`` (concatenated) as ``key``, atomically: readers see the whole

@@ -155,6 +155,12 @@ class FileTier(Tier):
         finally:
             os.close(fd)
 
+    def open_entry(self, key: str) -> int:
+        try:
+            return os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self.path(key)
         tmp = None

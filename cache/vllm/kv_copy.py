@@ -115,6 +115,44 @@ class BlockCopier:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._lock = threading.Lock()  # one copy at a time on the stream
         self._last: Optional["torch.cuda.Event"] = None  # end of the last gather not yet fenced
+        self._bytes = None  # ``place``: each layer's memory as a numpy byte array
+
+    @property
+    def placeable(self) -> bool:
+        """Whether entries can be read straight into this cache's blocks (``place``): CPU
+        tensors, one KV cache group, blocks along dimension 0 of contiguous layers, so a
+        run of consecutive blocks is one contiguous span of memory."""
+        return (not self.cuda and self.n_groups == 1 and self.layout.block_dim == 0
+                and all(c.is_contiguous() for c in self.caches))
+
+    def place(self, block_ids: Sequence[int], skip_blocks: int, dtype: str,
+              shape: Sequence[int]) -> list[memoryview]:
+        """Where each byte of an entry (``dtype``, ``shape``: ``[layers, held blocks, ...]``)
+        goes when read straight into ``block_ids``: writable views in payload order, the
+        entry's blocks ``skip_blocks .. skip_blocks + len(block_ids)`` into the cache and
+        the others into a scratch buffer (read only to be verified). Only for a
+        ``placeable`` copier; ``ValueError`` when the entry does not fit this cache."""
+        n = len(block_ids)
+        held = shape[1] if len(shape) > 1 else 0
+        if dtype != self.layout.dtype_name or held < skip_blocks + n \
+                or tuple(shape) != self.layout.entry_shape(held):
+            raise ValueError(f"entry {dtype} {tuple(shape)} does not fit {skip_blocks + n} blocks "
+                             f"of {self.layout.dtype_name} {self.layout.entry_shape(skip_blocks + n)}")
+        block_bytes = self.layout.bytes_per_block() // len(self.caches)
+        spare = held - n
+        scratch = memoryview(bytearray(block_bytes * max(skip_blocks, spare - skip_blocks))) if spare else None
+        runs = _runs(block_ids)
+        if self._bytes is None:  # each layer's tensor as bytes, made once
+            self._bytes = [c.view(-1).view(torch.uint8).numpy() for c in self.caches]
+        views: list[memoryview] = []
+        for raw in self._bytes:
+            if skip_blocks:
+                views.append(scratch[:skip_blocks * block_bytes])
+            for _pos, first, length in runs:
+                views.append(memoryview(raw[first * block_bytes:(first + length) * block_bytes]))
+            if held > skip_blocks + n:
+                views.append(scratch[:(held - skip_blocks - n) * block_bytes])
+        return views
 
     def _index(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Each layer's index tensor: the run of ``block_ids`` of its group."""

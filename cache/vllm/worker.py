@@ -40,6 +40,7 @@ from cache.assembly import writer_store
 from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
 from cache.keys import Namespace
+from cache.placed import Misfit
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
@@ -174,13 +175,14 @@ class WorkerSide:
         copies must follow (a load on its own thread; see ``BlockCopier.compute_mark``).
         ``read`` gets the bytes verified per tier."""
         assert self.copiers
+        if all(self.copiers[c.kind].placeable for c in load.chunks):
+            return self._load_placed(load, read)
         end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         # Reads and checksums run on the store's read threads, ahead of the copies here. A
         # synchronous load's thread (the forward pass waits for it) reads a chunk itself
         # when no read thread has started it yet, rather than wait idle.
         futures = [self.store.get_async(c.key) for c in load.chunks]
         for i, chunk in enumerate(load.chunks):
-            copier = self.copiers[chunk.kind]
             try:
                 if not load.asynchronous and end is None and futures[i].cancel():
                     entry = self.store.get(chunk.key)
@@ -193,31 +195,108 @@ class WorkerSide:
                          "the rest is recomputed", load.req_id, load.deadline_s, i, len(load.chunks))
                 self._on_event(chunk.key, "recompute", "none")
                 return {b for c in load.chunks[i:] for b in c.block_ids}, True
-            ok = entry is not None and entry.info.dtype == copier.layout.dtype_name
-            if not ok:
-                self._on_event(chunk.key, "missing" if entry is None else "damaged",
-                               "none" if entry is None else self.store.tier_names[entry.tier])
-            if ok:
-                try:
-                    with warnings.catch_warnings():  # read-only mapping, only ever copied from
-                        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                        src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
-                    src = src.view(entry.info.shape)
-                    t = time.perf_counter()
-                    copier.scatter(chunk.block_ids, src, chunk.skip_blocks, after=mark)
-                    if self._timer is not None:
-                        self._timer("scatter", time.perf_counter() - t)
-                    self.store.note_loaded(entry.tier, chunk.tokens if chunk.tokens is not None
-                                           else len(chunk.block_ids) * self.block_size)
-                    name = self.store.tier_names[entry.tier]
-                    read[name] = read.get(name, 0) + HEADER_SIZE + entry.payload.nbytes
-                except (ValueError, RuntimeError) as e:
-                    log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
-                    self._on_event(chunk.key, "damaged", self.store.tier_names[entry.tier])
-                    ok = False
-            if not ok:
+            done = self._fill(chunk, entry, mark)
+            if done is None:
                 return {b for c in load.chunks[i:] for b in c.block_ids}, False
+            self._loaded(chunk, done, read)
         return set(), False
+
+    def _fill(self, chunk, entry, mark=None) -> Optional[tuple[int, int]]:
+        """Copy a verified entry (``TieredStore.get``) into the chunk's blocks; its tier
+        and bytes, or None when there is nothing to copy or it does not fit (the event
+        is sent)."""
+        copier = self.copiers[chunk.kind]
+        if entry is None:
+            self._on_event(chunk.key, "missing", "none")
+            return None
+        try:
+            with warnings.catch_warnings():  # read-only mapping, only ever copied from
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
+            if entry.info.dtype != copier.layout.dtype_name:
+                raise ValueError(f"entry dtype {entry.info.dtype}, cache {copier.layout.dtype_name}")
+            t = time.perf_counter()
+            copier.scatter(chunk.block_ids, src.view(entry.info.shape), chunk.skip_blocks, after=mark)
+            if self._timer is not None:
+                self._timer("scatter", time.perf_counter() - t)
+        except (ValueError, RuntimeError) as e:
+            self._misfit(chunk, self.store.tier_names[entry.tier], e)
+            return None
+        return entry.tier, HEADER_SIZE + entry.payload.nbytes
+
+    def _misfit(self, chunk, tier: str, e: Exception) -> None:
+        log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
+        self._on_event(chunk.key, "damaged", tier)
+
+    def _loaded(self, chunk, done: tuple[int, int], read: dict[str, int]) -> None:
+        """Count a chunk in place: its tokens served, its bytes read from its tier."""
+        tier, nbytes = done
+        self.store.note_loaded(tier, chunk.tokens if chunk.tokens is not None
+                               else len(chunk.block_ids) * self.block_size)
+        name = self.store.tier_names[tier]
+        read[name] = read.get(name, 0) + nbytes
+
+    def _load_placed(self, load: LoadRequest, read: dict[str, int]) -> tuple[set[int], bool]:
+        """``_load`` for CPU blocks (``BlockCopier.placeable``): each chunk in a local file
+        is read straight into its blocks and verified there (``TieredStore.get_into``),
+        on the store's read threads, in parallel; a synchronous load's own thread takes
+        the chunks no read thread has started. Chunks found elsewhere (the shared tier)
+        are read with ``get`` and copied here. When the load fails or passes its
+        deadline, the reads writing into blocks are waited for (local files: one chunk
+        each) and the ones not started write nothing: no block vLLM is told to
+        recompute is written afterwards."""
+        end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
+        writers = BlockWriters()
+        futures = [self.store.run_read(self._read_chunk, c, writers) for c in load.chunks]
+        failed_at, cut = None, False
+        for i, chunk in enumerate(load.chunks):
+            try:
+                if not load.asynchronous and end is None and futures[i].cancel():
+                    how, got = self._read_chunk(chunk, writers)
+                else:
+                    how, got = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
+            except FutureTimeout:  # slower than recomputing: the rest is recomputed
+                log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
+                         "the rest is recomputed", load.req_id, load.deadline_s, i, len(load.chunks))
+                self._on_event(chunk.key, "recompute", "none")
+                failed_at, cut = i, True
+                break
+            done = got if how == "placed" else self._fill(chunk, got) if how == "entry" else None
+            if done is None:
+                failed_at = i
+                break
+            self._loaded(chunk, done, read)
+        if failed_at is None:
+            return set(), False
+        for f in futures[failed_at:]:
+            f.cancel()
+        writers.close()
+        return {b for c in load.chunks[failed_at:] for b in c.block_ids}, cut
+
+    def _read_chunk(self, chunk, writers: "BlockWriters") -> tuple[str, object]:
+        """One chunk of a placed load, on a read thread or the load's own thread:
+        ("placed", (tier, bytes)) once in its blocks; ("entry", entry or None) from
+        ``get`` when no local file holds it; ("failed", None) when it cannot be loaded
+        or the load has ended (the event is sent)."""
+        copier = self.copiers[chunk.kind]
+        if not writers.enter():
+            return "failed", None
+        try:
+            found = self.store.get_into(
+                chunk.key, lambda info: copier.place(chunk.block_ids, chunk.skip_blocks, info.dtype, info.shape))
+        except Misfit as e:
+            self._misfit(chunk, e.tier, e)
+            return "failed", None
+        except Exception:  # never let a read thread's failure pass unseen
+            log.exception("kvcache: loading chunk %s failed", chunk.key)
+            self._on_event(chunk.key, "damaged", "none")
+            return "failed", None
+        finally:
+            writers.leave()
+        if found is None:  # not in a local file: the shared tier (read, not yet copied), or a miss
+            return "entry", self.store.get(chunk.key)
+        tier, info = found
+        return "placed", (tier, HEADER_SIZE + info.payload_len)
 
     def get_finished(self) -> set[str]:
         with self._lock:
@@ -288,3 +367,30 @@ class WorkerSide:
         for t in list(self._inflight.values()):  # loads in flight: at most 1 s in all
             t.join(timeout=max(0.0, start + 1.0 - time.monotonic()))
         self.store.close(timeout=max(0.5, deadline - time.monotonic()))
+
+
+class BlockWriters:
+    """The reads of one load that may be writing into its blocks. ``close`` waits for
+    them to end and makes later ``enter`` calls refuse (those reads write nothing)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._n = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._n += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._n == 0)
