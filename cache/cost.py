@@ -183,13 +183,16 @@ def deadline(estimate: float, recompute: Optional[float]) -> float:
 
 
 def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dict[str, TierRate],
-           prefill: PrefillRate, synchronous: set[str]) -> Plan:
+           prefill: PrefillRate, synchronous: set[str], inline: bool = False) -> Plan:
     """The fastest plan for a request of ``n_tokens`` whose first ``computed`` tokens are
     already in vLLM's blocks and whose next ``chunks`` were found in the tiers (their
     ``end`` at most ``n_tokens - 1``: the last token is always computed).
 
     ``synchronous``: tiers loaded before the forward pass (memory copies); a load that
-    touches any other tier is asynchronous (it costs the request one engine step more)."""
+    touches any other tier is asynchronous (it costs the request one engine step more),
+    unless ``inline``: nothing else is running, so every load runs before the forward
+    pass (it would stall no other request). Loads from the other tiers keep their
+    deadline either way."""
     found = len(chunks)
     if not chunks:
         return Plan(0, 0, "none")
@@ -197,7 +200,7 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
     compute = [prefill.seconds(n_tokens - s, s) for s in starts]
     known = all(c.tier in tiers and tiers[c.tier].seconds(c.nbytes) is not None for c in chunks)
     if any(v is None for v in compute) or not known:
-        sync = all(c.tier in synchronous for c in chunks)
+        sync = inline or all(c.tier in synchronous for c in chunks)
         return Plan(found, found, "sync" if sync else "async")
     plans = [(compute[0], 0, "none", 0.0)]  # recompute everything
     nbytes: dict[str, int] = {}
@@ -205,7 +208,7 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
         c = chunks[j - 1]
         nbytes[c.tier] = nbytes.get(c.tier, 0) + c.nbytes
         load = sum(tiers[t].seconds(n) for t, n in nbytes.items())  # one load: latency once per tier
-        sync = all(c.tier in synchronous for c in chunks[:j])
+        sync = inline or all(c.tier in synchronous for c in chunks[:j])
         ttft = load + compute[j] + (0.0 if sync else ASYNC_ROUND_TRIP_S)
         plans.append((ttft, j, "sync" if sync else "async", load))
     full = plans[-1]

@@ -67,6 +67,11 @@ def measured(side, disk_bytes_per_s, s_per_token=1e-4):
                           ((1, 2000), (64, 0), (512, 512), (2048, 0), (1024, 1024))])
 
 
+def busy(side):
+    """Another request ran in the last step: loads below DRAM are asynchronous again."""
+    side.build_connector_meta(output(new=[("other", 0)], scheduled={"other": 1}))
+
+
 def ask(side, req_id, n):
     req = request(req_id, n)
     got = side.get_num_new_matched_tokens(req, 0)
@@ -78,10 +83,28 @@ def ask(side, req_id, n):
 def test_before_measurements_every_hit_loads(setup):
     side, writer = setup
     stored(side, writer, 1500, lambda i: 1)
+    busy(side)
     _, got = ask(side, "b", 1500)
     assert got == (1499, True)
     (load,) = side.build_connector_meta(output()).loads
     assert load.estimate_s is None and load.deadline_s is None
+
+
+def test_a_disk_hit_loads_before_the_forward_pass_while_nothing_else_runs(setup):
+    """Nothing else running: an asynchronous load would stall nobody, only add steps."""
+    side, writer = setup
+    stored(side, writer, 1500, lambda i: 1)
+    measured(side, disk_bytes_per_s=5e12)
+    req, got = ask(side, "idle", 1500)
+    assert got == (1499, False)
+    meta = side.build_connector_meta(output(new=[("idle", 0)], scheduled={"idle": 1}))
+    (load,) = meta.loads
+    assert not load.asynchronous and 0 < load.estimate_s < load.deadline_s  # still cut short if late
+    side.request_finished(req)  # ran, then finished: idle again
+    assert ask(side, "next", 1500)[1] == (1499, False)
+    busy(side)
+    assert ask(side, "busy", 1500)[1] == (1499, True)
+    assert side.get_stats().data["plan:load.requests"] == 3
 
 
 def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
@@ -94,6 +117,7 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
     assert [(r["tokens"], r.get("computed")) for r in why] == [([0, 1499], "recompute")]
     side.request_finished(req)
     measured(side, disk_bytes_per_s=5e12)  # the disk got fast: its newer samples dominate
+    busy(side)
     req, got = ask(side, "fast", 1500)
     assert got == (1499, True)
     (load,) = side.build_connector_meta(output()).loads
@@ -107,6 +131,7 @@ def test_load_decision_always_loads_what_the_cost_model_would_recompute(tmp_path
     side, writer = scheduler_and_writer(config(tmp_path, KVCACHE_LOAD_DECISION="always"))
     stored(side, writer, 1500, lambda i: 1)
     measured(side, disk_bytes_per_s=50e6)  # what the cost model recomputes (test above)
+    busy(side)
     _, got = ask(side, "slow", 1500)
     assert got == (1499, True)
 

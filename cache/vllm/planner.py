@@ -41,17 +41,20 @@ class LoadPlanner:
         self._lock = threading.Lock()
 
     # -- deciding ------------------------------------------------------------------
-    def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int) -> Plan:
+    def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int,
+             inline: bool = False) -> Plan:
         """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
-        as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``."""
+        as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``.
+        ``inline``: no other request is running: every load runs before the forward
+        pass (``cache.cost.choose``)."""
         b = self.block_size
         if not self.decide:  # load everything
-            sync = all(t in self.synchronous for _, _, t in spans)
+            sync = inline or all(t in self.synchronous for _, _, t in spans)
             plan = Plan(len(spans), len(spans), "sync" if sync else "async")
         else:
             # a load reads whole entries (the blocks of vLLM's own hit too)
             chunks = [ChunkCost(s, e, tier, (-(-e // b) - s // b) * self.bytes_per_block) for s, e, tier in spans]
-            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, self.synchronous)
+            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, self.synchronous, inline)
         with self._lock:
             self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
         return plan

@@ -8,7 +8,7 @@ Shared tier (L3). Its ``contains`` answers from memory; for chunks it does not k
 ``store.probe`` starts background existence checks and the request is deferred (vLLM's
 "ask me again" answer, ``None``) until they answer or ``lookup_wait`` passes, whichever
 comes first; then it goes on with what is known. Loads from L3 are asynchronous (worker
-threads) like every load below DRAM.
+threads) like every load below DRAM, unless no other request is running.
 
 Saves in flight. Saves are written behind the forward pass, so a request can arrive
 before the chunks an earlier request just computed are on a tier (the same prompt
@@ -59,8 +59,7 @@ log = logging.getLogger(__name__)
 
 # Longest a new request waits for the shared tier to say whether it holds its prefix.
 LOOKUP_WAIT_MAX_S = 0.5
-# Longest a request waits for a chunk an earlier step sent to be saved (write-behind) to
-# land; normally the worker reports it settled within a step or two.
+# Longest a request waits for a chunk sent to be saved (write-behind) to land.
 SAVE_WAIT_MAX_S = 2.0
 # A save not reported settled this long after it was sent is forgotten (a report lost).
 SAVE_REPORT_LOST_S = 60.0
@@ -130,6 +129,9 @@ class SchedulerSide:
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
         self._reused: dict[str, None] = {}    # ordered set of stored entry keys new requests found
+        # Requests the last step ran that are not finished: while there are none, loads from
+        # any tier run before the forward pass (nothing to stall).
+        self._running: set[str] = set()
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
         self._saving: dict[str, list] = {}
@@ -208,27 +210,29 @@ class SchedulerSide:
             self._plan_window_saves(st)
         if plan is None or plan.hit_end <= num_computed_tokens:
             return 0, False
-        plan, cost = self._cost_cut(request.request_id, st, plan, num_computed_tokens)
+        # DRAM loads run before the forward pass; a chunk from another tier makes the load
+        # asynchronous, unless no other request runs (then it stalls nobody, and waiting
+        # would only add engine steps). Hybrid models' loads are always asynchronous:
+        # vLLM takes only request-level load failures for them.
+        inline = not self.layout.hybrid and not (self._running - {request.request_id})
+        plan, cost = self._cost_cut(request.request_id, st, plan, num_computed_tokens, inline)
         if plan is None:
             return 0, False
         hit_end = plan.hit_end
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
-        # Only a synchronous tier (DRAM: a memory copy) loads before the forward pass; any
-        # chunk from another tier makes the whole load asynchronous (worker threads). So do
-        # hybrid models' loads: vLLM takes only request-level load failures for them.
-        asynchronous = self.layout.hybrid or any(x.tier not in self.sync_tiers for x in plan.loads)
+        asynchronous = self.layout.hybrid or (not inline and any(x.tier not in self.sync_tiers for x in plan.loads))
         st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
         st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end,
                                       cost.estimate_s, cost.deadline_s)
         return hit_end - num_computed_tokens, asynchronous
 
-    def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int):
+    def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int, inline: bool):
         """The part of ``plan`` worth loading (``cache.cost``): all of it, a prefix of its
         chunks, or nothing (None: recompute); and the cost model's plan. Hybrid models
         load the whole hit (the planner has no cost for their windows)."""
         spans = [(st.chunks[x.chunk].start, min(st.chunks[x.chunk].end, plan.hit_end), self.tier_names[x.tier])
                  for x in plan.loads]
-        cost = self.planner.plan(req_id, spans, st.n_tokens, computed)
+        cost = self.planner.plan(req_id, spans, st.n_tokens, computed, inline)
         if cost.chunks >= len(plan.loads):
             return plan, cost
         if cost.chunks == 0:
@@ -304,6 +308,7 @@ class SchedulerSide:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        self._running = {r for r, _ in scheduled}
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
         while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
@@ -391,4 +396,5 @@ class SchedulerSide:
         after a failed load, as ``explain_finished`` recounted them)."""
         st = self.requests.pop(request.request_id, None)
         self.planner.finished(request.request_id)
+        self._running.discard(request.request_id)
         return dict(st.loaded_tokens) if st else {}
