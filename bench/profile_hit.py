@@ -135,10 +135,10 @@ def main(argv=None) -> None:
 
                 t = time.perf_counter()
                 jobs = [store.run_read(store.get_into, k, place(i)) for i, k in enumerate(keys)] if parallel else []
-                for i, key in enumerate(keys):
-                    got = (store.get_into(key, place(i)) if not jobs or jobs[i].cancel()
-                           else jobs[i].result())
-                    assert got is not None
+                got = [store.get_into(key, place(i)) if not jobs or jobs[i].cancel() else None
+                       for i, key in enumerate(keys)]  # what no read thread has started
+                got = [g if g is not None else jobs[i].result() for i, g in enumerate(got)]
+                assert all(g is not None for g in got)
                 steps[name].append(time.perf_counter() - t)
         store.close()
         med = {k: statistics.median(v) for k, v in steps.items()}

@@ -1,7 +1,8 @@
 """Read an entry file straight into the caller's buffers and verify it there.
 
 Runs on the store's read threads or a load's own thread (``TieredStore.get_into``);
-it blocks on file I/O. Engine-agnostic: no torch, no vLLM.
+it blocks on file I/O. Engine-agnostic: no torch, no vLLM. ``BlockWriters`` lets a load
+that ends early wait for the reads still writing into its buffers.
 
 ``get`` reads an entry into memory of its own (a mapping of the DRAM file, a new buffer
 for disk), checks it, and the KV copy then copies it again into vLLM's blocks. Here the
@@ -16,6 +17,7 @@ check fails the buffers hold garbage and the caller must treat them as not loade
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -84,3 +86,30 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+class BlockWriters:
+    """The reads of one load that may be writing into its blocks. ``close`` waits for
+    them to end and makes later ``enter`` calls refuse (those reads write nothing)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._n = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._n += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._n == 0)

@@ -214,6 +214,31 @@ def test_a_synchronous_load_reads_what_no_read_thread_has_started(worker, monkey
     assert side.take_settled().samples[0][:2] == ("load", "dram")
 
 
+def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_path, monkeypatch):
+    """The loading thread reads local files itself, never a shared-tier chunk (a network
+    read it could not stop at the deadline): that one goes to a read thread."""
+    import threading
+
+    side = WorkerSide(config(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3"),
+                      Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK), num_blocks=8, block_size=BLOCK)
+    caches = {f"layer.{i}": torch.randn(8, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(2)}
+    side.register_kv_caches(caches)
+    side.wait_for_save(TieredKVMetadata(saves=[ChunkIO(KEY, None, [0, 1], shared=True)]))
+    side.store.flush(10)
+    for tier in side.store.tiers[:side.store.n_local]:
+        tier.delete(KEY)
+    assert side.store.tiers[-1].contains(KEY)
+    readers, get = [], side.store.get
+    monkeypatch.setattr(side.store, "get", lambda key, **kw: (readers.append(threading.current_thread().name),
+                                                            get(key, **kw))[1])
+    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
+    assert side.get_block_ids_with_load_errors() == set()
+    for t in caches.values():
+        assert torch.equal(t[4:6], t[0:2])
+    assert readers and all(name.startswith("kvcache-read") for name in readers)
+    side.shutdown()
+
+
 def test_a_load_past_its_deadline_is_cut_short(worker, monkeypatch):
     side, caches = worker
     before = {n: t[4:6].clone() for n, t in caches.items()}

@@ -40,7 +40,7 @@ from cache.assembly import writer_store
 from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
 from cache.keys import Namespace
-from cache.placed import Misfit
+from cache.placed import BlockWriters, Misfit
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
@@ -239,8 +239,8 @@ class WorkerSide:
     def _load_placed(self, load: LoadRequest, read: dict[str, int]) -> tuple[set[int], bool]:
         """``_load`` for CPU blocks (``BlockCopier.placeable``): each chunk in a local file
         is read straight into its blocks and verified there (``TieredStore.get_into``),
-        on the store's read threads, in parallel; a synchronous load's own thread takes
-        the chunks no read thread has started. Chunks found elsewhere (the shared tier)
+        on the store's read threads, in parallel; a synchronous load's own thread first
+        takes every chunk no read thread has started, then waits for the others. Chunks found elsewhere (the shared tier)
         are read with ``get`` and copied here. When the load fails or passes its
         deadline, the reads writing into blocks are waited for (local files: one chunk
         each) and the ones not started write nothing: no block vLLM is told to
@@ -248,11 +248,26 @@ class WorkerSide:
         end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         writers = BlockWriters()
         futures = [self.store.run_read(self._read_chunk, c, writers) for c in load.chunks]
+        done_here: dict[int, tuple[str, object]] = {}
+        if not load.asynchronous:
+            # The forward pass waits for this thread: it reads every chunk no read thread
+            # has started (the read threads share the cores this one's compute leaves),
+            # until the deadline (past it by one chunk's read at most).
+            for i, chunk in enumerate(load.chunks):
+                if end is not None and time.monotonic() >= end:
+                    break
+                if futures[i].cancel():
+                    done_here[i] = self._read_chunk(chunk, writers, local_only=True)
+                    if done_here[i][0] == "remote":  # the shared tier's read: on a read thread
+                        futures[i] = self.store.run_read(lambda k=chunk.key: ("entry", self.store.get(k)))
+                        del done_here[i]
+                    elif done_here[i][0] == "failed":
+                        break
         failed_at, cut = None, False
         for i, chunk in enumerate(load.chunks):
             try:
-                if not load.asynchronous and end is None and futures[i].cancel():
-                    how, got = self._read_chunk(chunk, writers)
+                if i in done_here:
+                    how, got = done_here[i]
                 else:
                     how, got = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
             except FutureTimeout:  # slower than recomputing: the rest is recomputed
@@ -273,11 +288,12 @@ class WorkerSide:
         writers.close()
         return {b for c in load.chunks[failed_at:] for b in c.block_ids}, cut
 
-    def _read_chunk(self, chunk, writers: "BlockWriters") -> tuple[str, object]:
+    def _read_chunk(self, chunk, writers: "BlockWriters", local_only: bool = False) -> tuple[str, object]:
         """One chunk of a placed load, on a read thread or the load's own thread:
         ("placed", (tier, bytes)) once in its blocks; ("entry", entry or None) from
-        ``get`` when no local file holds it; ("failed", None) when it cannot be loaded
-        or the load has ended (the event is sent)."""
+        ``get`` when no local file holds it (``local_only``: ("remote", None) instead);
+        ("failed", None) when it cannot be loaded or the load has ended (the event is
+        sent)."""
         copier = self.copiers[chunk.kind]
         if not writers.enter():
             return "failed", None
@@ -294,7 +310,7 @@ class WorkerSide:
         finally:
             writers.leave()
         if found is None:  # not in a local file: the shared tier (read, not yet copied), or a miss
-            return "entry", self.store.get(chunk.key)
+            return ("remote", None) if local_only else ("entry", self.store.get(chunk.key))
         tier, info = found
         return "placed", (tier, HEADER_SIZE + info.payload_len)
 
@@ -368,29 +384,3 @@ class WorkerSide:
             t.join(timeout=max(0.0, start + 1.0 - time.monotonic()))
         self.store.close(timeout=max(0.5, deadline - time.monotonic()))
 
-
-class BlockWriters:
-    """The reads of one load that may be writing into its blocks. ``close`` waits for
-    them to end and makes later ``enter`` calls refuse (those reads write nothing)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._n = 0
-        self._closed = False
-
-    def enter(self) -> bool:
-        with self._cond:
-            if self._closed:
-                return False
-            self._n += 1
-            return True
-
-    def leave(self) -> None:
-        with self._cond:
-            self._n -= 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.wait_for(lambda: self._n == 0)
