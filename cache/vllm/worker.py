@@ -240,11 +240,11 @@ class WorkerSide:
         """``_load`` for CPU blocks (``BlockCopier.placeable``): each chunk in a local file
         is read straight into its blocks and verified there (``TieredStore.get_into``),
         on the store's read threads, in parallel; a synchronous load's own thread first
-        takes every chunk no read thread has started, then waits for the others. Chunks found elsewhere (the shared tier)
-        are read with ``get`` and copied here. When the load fails or passes its
-        deadline, the reads writing into blocks are waited for (local files: one chunk
-        each) and the ones not started write nothing: no block vLLM is told to
-        recompute is written afterwards."""
+        takes every chunk no read thread has started, then waits for the others. Chunks
+        found elsewhere (the shared tier) are read with ``get`` on a read thread and
+        copied here. When the load fails or passes its deadline, the reads writing into
+        blocks are waited for (local files: one chunk each) and the ones not started
+        write nothing: no block vLLM is told to recompute is written afterwards."""
         end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         writers = BlockWriters()
         futures = [self.store.run_read(self._read_chunk, c, writers) for c in load.chunks]
@@ -383,4 +383,3 @@ class WorkerSide:
         for t in list(self._inflight.values()):  # loads in flight: at most 1 s in all
             t.join(timeout=max(0.0, start + 1.0 - time.monotonic()))
         self.store.close(timeout=max(0.5, deadline - time.monotonic()))
-
