@@ -88,6 +88,7 @@ def kill_mid_write(proc: subprocess.Popen, folder, timeout=300.0) -> list[str]:
             continue
         for p in tree:
             p.suspend()
+        stopped(tree)  # SIGSTOP lands asynchronously: a writer could still finish its file
         if temp_files(folder):
             for p in tree:
                 p.kill()
@@ -96,6 +97,19 @@ def kill_mid_write(proc: subprocess.Popen, folder, timeout=300.0) -> list[str]:
         for p in tree:
             p.resume()
     raise AssertionError("the engine wrote no entry to disk that could be caught in flight")
+
+
+def stopped(tree, timeout=2.0) -> None:
+    """Wait until every process of ``tree`` is stopped (or gone)."""
+    end = time.monotonic() + timeout
+    for p in tree:
+        while time.monotonic() < end:
+            try:
+                if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.001)
 
 
 def remove_vllm_leftovers(before: set) -> None:
