@@ -49,6 +49,8 @@ def corrupt_entries(folder: str) -> int:
             with open(os.path.join(root, name), "r+b") as f:
                 f.seek(HEADER_SIZE + 7)
                 b = f.read(1)
+                if not b:  # a file still being written (a temporary one, or a promotion's)
+                    continue
                 f.seek(HEADER_SIZE + 7)
                 f.write(bytes([b[0] ^ 0xFF]))
             n += 1
