@@ -471,13 +471,8 @@ class TieredStore:
         if self.tiers[last].contains(key):
             return
         for i in range(last):
-            tier = self.tiers[i]
-            try:
-                raw = tier.read(key)
-            except KeyError:
-                continue
-            except Exception as e:
-                self._failed(tier, "reading", key, e)
+            raw = self._read_local(i, key)
+            if raw is None:
                 continue
             try:  # the header only: every read verifies the whole entry anyway
                 parent = read_header(raw, self.namespace, key).parent

@@ -5,7 +5,7 @@ The real engine's side of it is in ``tests/test_engine_cost.py``."""
 
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -228,9 +228,13 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
     for tier in side.store.tiers[:side.store.n_local]:
         tier.delete(KEY)
     assert side.store.tiers[-1].contains(KEY)
-    readers, get = [], side.store.get
+    readers, get, run_read = [], side.store.get, side.store.run_read
     monkeypatch.setattr(side.store, "get", lambda key, **kw: (readers.append(threading.current_thread().name),
                                                             get(key, **kw))[1])
+    # The read threads never start the chunk itself: the loading thread takes it, and
+    # must hand its shared-tier read back to them.
+    monkeypatch.setattr(side.store, "run_read", lambda fn, *args: Future() if fn == side._read_chunk
+                        else run_read(fn, *args))
     side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():

@@ -51,7 +51,6 @@ def test_damage_is_detected_dropped_and_the_next_tier_read(tmp_path):
     s = store(tmp_path)
     key = chunk_keys(NS, list(range(16)), 16)[0]
     data = np.arange(5000, dtype=np.uint32).view(np.uint8)
-    raw = None
     assert s.put(key, None, "uint8", (data.size,), data) and s.flush(10)
     with open(s.tiers[0].path(key), "rb") as f:
         raw = f.read()
@@ -151,7 +150,7 @@ def test_place_puts_each_byte_where_scatter_does(tmp_path, dtype, block_ids, ski
     assert sum(len(v) for v in views) == flat.size
     at = 0
     for v in views:  # what read_placed does: fill the views in payload order
-        np.frombuffer(v, np.uint8)  # writable views
+        assert not v.readonly
         v[:] = flat[at:at + len(v)].tobytes()
         at += len(v)
     for n in caches:
