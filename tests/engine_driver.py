@@ -38,22 +38,23 @@ import time
 
 
 def corrupt_entries(folder: str) -> int:
-    """Flip one payload byte in every entry file under ``folder``."""
+    """Flip one payload byte in every entry file under ``folder`` (temporary files of
+    writes in flight are not entries: left alone, as is an entry removed meanwhile)."""
     from cache.codec import HEADER_SIZE
 
     n = 0
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            if name.startswith("."):
-                continue
-            with open(os.path.join(root, name), "r+b") as f:
+    for _ns, _key, path in list(entry_files(folder)):
+        try:
+            with open(path, "r+b") as f:
                 f.seek(HEADER_SIZE + 7)
                 b = f.read(1)
-                if not b:  # a file still being written (a temporary one, or a promotion's)
+                if not b:  # too short to be an entry: the engine rejects it anyway
                     continue
                 f.seek(HEADER_SIZE + 7)
                 f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
+        except FileNotFoundError:  # evicted or replaced while we walked
+            continue
+        n += 1
     return n
 
 
