@@ -1,8 +1,9 @@
 """Read an entry file straight into the caller's buffers and verify it there.
 
-Runs on the store's read threads or a load's own thread (``TieredStore.get_into``);
-it blocks on file I/O. Engine-agnostic: no torch, no vLLM. ``BlockWriters`` lets a load
-that ends early wait for the reads still writing into its buffers.
+Runs on the store's read threads, a load's own thread or (shared tier) the tier's I/O
+threads (``TieredStore.get_into``); it blocks on file or network I/O. Engine-agnostic:
+no torch, no vLLM. ``BlockWriters`` lets a load that ends early wait for the reads still
+writing into its buffers.
 
 ``get`` reads an entry into memory of its own (a mapping of the DRAM file, a new buffer
 for disk), checks it, and the KV copy then copies it again into vLLM's blocks. Here the
@@ -12,6 +13,13 @@ while it is still in the CPU's cache: one pass over memory instead of three, and
 faults on a fresh mapping or buffer. Every byte is still verified (``PayloadCheck``:
 checksum and, with a signing key, signature) before the caller may use it; when the
 check fails the buffers hold garbage and the caller must treat them as not loaded.
+
+An entry is read through a ``Reader``: ``FdReader`` (a local file), ``FileReader`` (a
+file object of a remote filesystem) or ``BytesReader`` (a transport that only reads
+whole files). A remote read goes through ``Staged``: each piece lands in a buffer of its
+own and is copied into the caller's buffers (while still in cache) only if the load
+still wants it, so a network read that hangs past the load's deadline never holds up
+the load's end nor writes into blocks vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -19,13 +27,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from cache.codec import HEADER_SIZE, CorruptEntry, EntryInfo, PayloadCheck, open_header
 
 # Bytes read and hashed at a time: small enough to stay in a core's L2 cache between the
 # copy and the hash, large enough that the system calls cost nothing next to the copy.
 PIECE_BYTES = 256 << 10
+
+class LoadEnded(Exception):
+    """The load this read belongs to has ended (failed or past its deadline): the read
+    stops and writes nothing more into its buffers."""
+
 
 class Misfit(ValueError):
     """A sound entry that does not fit the caller's buffers (``place`` refused it)."""
@@ -40,15 +53,28 @@ class Misfit(ValueError):
 Place = Callable[[EntryInfo], Sequence[memoryview]]
 
 
-def read_placed(fd: int, namespace: bytes, key: str, place: Place, signing_key: bytes = b"",
+class Reader(Protocol):
+    """An entry's bytes at given offsets (``FdReader``, ``FileReader``, ``BytesReader``,
+    ``Staged``); ``nread`` counts the bytes that came through the reader."""
+
+    def size(self) -> int: ...
+
+    def pread(self, n: int, offset: int) -> bytes: ...
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset`` (less only where the entry ends); bytes read."""
+
+
+def read_placed(reader: Reader, namespace: bytes, key: str, place: Place, signing_key: bytes = b"",
                 timer: Optional[Callable[[str, float], None]] = None) -> EntryInfo:
-    """Check the header of the entry open at ``fd``, read its payload into ``place(info)``
-    and verify it. Raises ``CorruptEntry`` (truncated, damaged, foreign, unsigned) or
-    ``ValueError`` (from ``place``); ``timer("read"|"decode", seconds)`` gets the time
-    spent copying and checking."""
-    head = os.pread(fd, HEADER_SIZE, 0)
+    """Check the header of the entry ``reader`` reads, read its payload into
+    ``place(info)`` and verify it. Raises ``CorruptEntry`` (truncated, damaged, foreign,
+    unsigned), ``ValueError`` (from ``place``), ``LoadEnded`` (``Staged``) or the
+    reader's I/O errors; ``timer("read"|"decode", seconds)`` gets the time spent copying
+    and checking."""
+    head = reader.pread(HEADER_SIZE, 0)
     info, seal = open_header(head, namespace, key)
-    size = os.fstat(fd).st_size
+    size = reader.size()
     if size != HEADER_SIZE + info.payload_len:
         raise CorruptEntry(f"entry is {size} bytes, header says {HEADER_SIZE + info.payload_len}")
     views = [memoryview(v).cast("B") for v in place(info)]
@@ -61,7 +87,7 @@ def read_placed(fd: int, namespace: bytes, key: str, place: Place, signing_key: 
         for start in range(0, len(view), PIECE_BYTES):
             piece = view[start:start + PIECE_BYTES]
             t0 = time.perf_counter()
-            got = _pread_full(fd, piece, offset)
+            got = reader.readinto(piece, offset)
             t1 = time.perf_counter()
             if got != len(piece):
                 raise CorruptEntry(f"entry ended at byte {offset + got}, header says {size}")
@@ -77,15 +103,129 @@ def read_placed(fd: int, namespace: bytes, key: str, place: Place, signing_key: 
     return info
 
 
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Read at ``offset`` until ``view`` is full or the file ends; bytes read."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
+class FdReader:
+    """An entry file open at ``fd`` (the caller closes it); ``readinto`` is the kernel's
+    one copy into the caller's buffer."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.nread = 0
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self.fd, n, offset)
+        self.nread += len(data)
+        return data
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        """Read at ``offset`` until ``view`` is full or the file ends; bytes read."""
+        got = 0
+        while got < len(view):
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        self.nread += got
+        return got
+
+
+class FileReader:
+    """An entry through a file object open for reading (fsspec's ``open``), ``size``
+    bytes long."""
+
+    def __init__(self, f, size: int) -> None:
+        self.f, self._size = f, size
+        self.nread = 0
+
+    def size(self) -> int:
+        return self._size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        self.f.seek(offset)
+        data = self.f.read(n)
+        self.nread += len(data)
+        return data
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        self.f.seek(offset)
+        got = 0
+        while got < len(view):
+            n = self.f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        self.nread += got
+        return got
+
+
+class BytesReader:
+    """An entry already read whole (a transport without reads at an offset)."""
+
+    def __init__(self, data) -> None:
+        self.data = memoryview(data).cast("B")
+        self.nread = len(self.data)
+
+    def size(self) -> int:
+        return len(self.data)
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return bytes(self.data[offset:offset + n])
+
+    def view(self, offset: int, n: int) -> memoryview:
+        return self.data[offset:offset + n]
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        got = self.view(offset, len(view))
+        view[:len(got)] = got
+        return len(got)
+
+
+class Staged:
+    """A remote entry's reader for ``read_placed``: each piece is read into a buffer of
+    this reader's own, then copied into the caller's buffer while ``writers`` still
+    admits writes (``LoadEnded`` once the load has ended). ``keep``: that buffer is the
+    whole entry, which ``entry`` then returns (for promotion to a local tier); otherwise
+    one piece's buffer, reused (it stays in cache)."""
+
+    def __init__(self, reader, writers: "BlockWriters", keep: bool) -> None:
+        self.reader, self.writers, self.keep = reader, writers, keep
+        self._buf: Optional[memoryview] = None
+
+    def size(self) -> int:
+        return self.reader.size()
+
+    def pread(self, n: int, offset: int) -> bytes:
+        data = self.reader.pread(n, offset)
+        if self.keep:
+            self._buffer(offset, len(data))[:] = data
+        return data
+
+    def _buffer(self, offset: int, n: int) -> memoryview:
+        if self._buf is None:
+            self._buf = memoryview(bytearray(self.reader.size() if self.keep else PIECE_BYTES))
+        return self._buf[offset:offset + n] if self.keep else self._buf[:n]
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        if hasattr(self.reader, "view"):  # already in memory: no buffer of our own
+            got = self.reader.view(offset, len(view))
+        else:
+            got = self._buffer(offset, len(view))
+            got = got[:self.reader.readinto(got, offset)]
+        if not self.writers.enter():
+            raise LoadEnded()
+        try:
+            view[:len(got)] = got
+        finally:
+            self.writers.leave()
+        return len(got)
+
+    def entry(self):
+        """The whole entry (``keep``), or None."""
+        if not self.keep:
+            return None
+        return self.reader.data if hasattr(self.reader, "view") else self._buf
 
 
 class BlockWriters:

@@ -42,7 +42,6 @@ of ``get``, on the thread that ran them (benchmarks: ``bench/timed_connector.py`
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,12 +51,15 @@ from typing import Callable, Optional, Sequence
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
 from cache.durability import CopyQueue
-from cache.placed import Misfit, Place, read_placed
+from cache.placed import BlockWriters, LoadEnded, Misfit, Place, Staged, read_placed
 from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
 
 log = logging.getLogger(__name__)
+
+# ``get_into``'s answer when the entry may be in a tier it does not read in place.
+ELSEWHERE = "elsewhere"
 
 
 @dataclass
@@ -224,42 +226,62 @@ class TieredStore:
         assert self._io is not None, "lookup-only store"
         return self._io.submit(self.get, key)
 
-    def get_into(self, key: str, place: Place) -> Optional[tuple[int, EntryInfo]]:
-        """Like ``get`` for the local tiers that keep entries as files: the payload is read
-        straight into the buffers ``place(info)`` returns and verified there
-        (``cache.placed``). Returns the index of the tier it came from and the entry's
-        info, or None when no such tier holds a sound entry (the caller then uses
-        ``get``, for the shared tier; after a damaged entry the buffers hold garbage
-        until then). An entry that does not fit the caller (``place`` raised
-        ``ValueError``) raises ``Misfit``; it is kept. Blocks on file I/O."""
-        for i in range(self.n_local):
-            tier = self.tiers[i]
+    def get_into(self, key: str, place: Place, writers: Optional[BlockWriters] = None,
+                 local_only: bool = False):
+        """Like ``get``, for tiers that read entries in place (files, local or shared):
+        the payload is read straight into the buffers ``place(info)`` returns and
+        verified there (``cache.placed``). Returns ``(tier index, info)``; None when no
+        tier holds a sound entry (a miss, counted; after a damaged entry the buffers
+        hold garbage); ``ELSEWHERE`` when a tier that cannot (or, ``local_only``, the
+        shared tier) may hold it: the caller then uses ``get`` or another thread.
+        ``writers``: the load's ``BlockWriters``; once closed, nothing more is written
+        into its buffers (``LoadEnded``). An entry that does not fit the caller
+        (``place`` raised ``ValueError``) raises ``Misfit``; it is kept. Blocks on
+        file I/O, and on the shared tier's reads (within its deadline; a shared read
+        writes into the buffers only a piece at a time, while ``writers`` admits it)."""
+        writers = writers if writers is not None else BlockWriters()
+        for i, tier in enumerate(self.tiers):
+            remote = i >= self.n_local
+            if not tier.reads_in_place or (remote and local_only):
+                return ELSEWHERE
+            keep = remote and self.n_local > 0 and self.policies is not None  # to promote it
+
             t0 = time.perf_counter()
             try:
-                fd = tier.open_entry(key)
+                info, raw = tier.read_with(
+                    key, lambda reader, r=remote, k=keep: self._placed(reader, key, place, writers, r, k))
             except KeyError:
                 continue
-            except Exception as e:
-                self._failed(tier, "reading", key, e)
-                continue
-            if fd is None:
-                return None  # entries without a file: ``get`` reads them
-            try:
-                info = read_placed(fd, self.namespace, key, place, self.signing_key, self.timer)
             except CorruptEntry as e:
                 self.stats.tiers[tier.name].corrupt += 1
                 self._drop_bad(i, key, e)
                 continue
-            except OSError as e:
-                self._failed(tier, "reading", key, e)
-                continue
+            except LoadEnded:
+                raise
             except ValueError as e:
                 raise Misfit(tier.name, str(e)) from e
-            finally:
-                os.close(fd)
-            self._hit(i, key, info, time.perf_counter() - t0, None, True)
+            except Exception as e:  # a tier failing must not fail the request
+                self._failed(tier, "reading", key, e)
+                continue
+            self._hit(i, key, info, time.perf_counter() - t0, raw, True)
             return i, info
+        if self.tiers:
+            self.stats.tiers[self.tiers[0].name].misses += 1
         return None
+
+    def _placed(self, reader, key: str, place: Place, writers: BlockWriters, remote: bool, keep: bool):
+        """``read_placed`` for ``get_into``: ``(info, whole entry or None)``. A local
+        file is read straight into the buffers while ``writers`` admits it (one chunk
+        at most after the load ends); a shared-tier entry through ``Staged``."""
+        if remote:
+            staged = Staged(reader, writers, keep)
+            return read_placed(staged, self.namespace, key, place, self.signing_key, self.timer), staged.entry()
+        if not writers.enter():
+            raise LoadEnded()
+        try:
+            return read_placed(reader, self.namespace, key, place, self.signing_key, self.timer), None
+        finally:
+            writers.leave()
 
     def run_read(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on an I/O thread (work that calls ``get``/``get_into``)."""

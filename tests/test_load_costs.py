@@ -228,18 +228,24 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
     for tier in side.store.tiers[:side.store.n_local]:
         tier.delete(KEY)
     assert side.store.tiers[-1].contains(KEY)
-    readers, get, run_read = [], side.store.get, side.store.run_read
-    monkeypatch.setattr(side.store, "get", lambda key, **kw: (readers.append(threading.current_thread().name),
-                                                            get(key, **kw))[1])
-    # The read threads never start the chunk itself: the loading thread takes it, and
-    # must hand its shared-tier read back to them.
-    monkeypatch.setattr(side.store, "run_read", lambda fn, *args: Future() if fn == side._read_chunk
-                        else run_read(fn, *args))
+    shared = side.store.tiers[-1]
+    readers, read_with, run_read, submitted = [], shared.read_with, side.store.run_read, []
+    monkeypatch.setattr(shared, "read_with", lambda key, use: (readers.append(threading.current_thread().name),
+                                                               read_with(key, use))[1])
+
+    def first_never_starts(fn, *args):
+        # The read threads never start the chunk's first read: the loading thread takes
+        # it, and must hand its shared-tier read back to them.
+        submitted.append(fn)
+        return Future() if len(submitted) == 1 else run_read(fn, *args)
+
+    monkeypatch.setattr(side.store, "run_read", first_never_starts)
     side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():
-        assert torch.equal(t[4:6], t[0:2])
-    assert readers and all(name.startswith("kvcache-read") for name in readers)
+        assert torch.equal(t[4:6], t[0:2])  # read in place from the shared tier's file
+    assert len(submitted) == 2 and readers and all(name.startswith("kvcache-read") for name in readers)
+    assert side.take_settled().samples[0][:2] == ("load", "shared")
     side.shutdown()
 
 

@@ -2,17 +2,25 @@
 TieredStore.get_into, BlockCopier.place): same bytes as get + scatter, damage detected,
 the entry dropped and the next tier read, promotion and publishing still happen."""
 
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from cache.codec import HEADER_SIZE
 from cache.keys import Namespace, chunk_keys
-from cache.placed import PIECE_BYTES, Misfit
+from cache.placed import PIECE_BYTES, BlockWriters, BytesReader, LoadEnded, Misfit, Staged
 from cache.policy import LRUPolicy
-from cache.store import TieredStore
+from cache.store import ELSEWHERE, TieredStore
 from cache.tiers.files import FileTier
 from cache.tiers.memory import MemoryTier
+from cache.tiers.resilience import Pacer
+from cache.tiers.shared import SharedTier
+from cache.tiers.transport import CurvineOps
 from cache.vllm.kv_copy import BlockCopier, KVLayout
 
 NS = Namespace("m", "d", "uint8", "x").digest
@@ -112,14 +120,21 @@ def test_an_entry_that_does_not_fit_is_kept_and_named(tmp_path):
     s.close()
 
 
-def test_a_key_only_in_the_shared_tier_is_left_to_get(tmp_path):
+def test_a_key_only_in_a_tier_without_files_is_left_to_get(tmp_path):
     s = store(tmp_path, shared=True)
     key = chunk_keys(NS, list(range(16)), 16)[0]
     assert s.put(key, None, "uint8", (100,), np.ones(100, np.uint8), shared=True) and s.flush(10)
     for tier in s.tiers[:2]:
         tier.delete(key)
-    assert s.get_into(key, into(100)[1]) is None
+    assert s.get_into(key, into(100)[1]) is ELSEWHERE
     assert s.get(key).tier == 2
+    s.close()
+
+
+def test_a_miss_is_none_and_counted(tmp_path):
+    s = store(tmp_path)
+    assert s.get_into(chunk_keys(NS, list(range(16)), 16)[0], into(100)[1]) is None
+    assert s.stats.tiers["dram"].misses == 1
     s.close()
 
 
@@ -175,3 +190,149 @@ def test_only_cpu_single_group_dim0_contiguous_caches_are_placeable():
     assert not BlockCopier(caches, KVLayout.of(caches, 6), layer_groups=[0, 1]).placeable
     strided = {"l0": torch.zeros(6, 4, 3)[:, ::2]}
     assert not BlockCopier(strided, KVLayout.of(strided, 6)).placeable
+
+
+# -- the shared tier: read a piece at a time into the caller's buffers ------------------
+class SubclassedFS(LocalFileSystem):
+    """A filesystem other than the plain local one: read through its file objects."""
+    protocol = ("subclassed",)
+    cachable = False
+
+
+def shared_store(tmp_path, fs=None, dram=True, **kw):
+    fs = fs if fs is not None else LocalFileSystem()
+    l3 = SharedTier(lambda: fs, str(tmp_path / "l3"), "ns", refresh_s=0, **kw)
+    tiers = ([FileTier(str(tmp_path / "shm"), "ns", 1 << 24, "dram", use_mmap=True)] if dram else []) + [l3]
+    return TieredStore(tiers, NS, [LRUPolicy() for _ in tiers], shared_admission="all")
+
+
+def only_in_shared(s, n, seed=0):
+    key = chunk_keys(NS, list(range(seed, seed + 16)), 16)[0]
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    assert s.put(key, None, "uint8", (n,), data, shared=True) and s.flush(10)
+    for tier in s.tiers[:s.n_local]:
+        tier.delete(key)
+    assert s.tiers[-1].contains(key)
+    return key, data
+
+
+@pytest.mark.parametrize("transport", ["mount", "file-object", "whole-file"])
+@pytest.mark.parametrize("dram", [True, False])
+def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp_path, monkeypatch,
+                                                                             transport, dram):
+    fs = SubclassedFS() if transport == "file-object" else None
+    s = shared_store(tmp_path, fs, dram)
+    n = PIECE_BYTES * 3 + 5
+    key, data = only_in_shared(s, n)
+    ops = s.tiers[-1]._fs()
+    if transport == "whole-file":  # Curvine's SDK: whole files only
+        monkeypatch.setattr(ops, "read_with", lambda path, use: CurvineOps.read_with(ops, path, use))
+    whole_reads = []
+    monkeypatch.setattr(s.tiers[-1], "read", lambda k: whole_reads.append(k))
+    buf, place = into(n)
+    tier, info = s.get_into(key, place)
+    assert tier == s.n_local and info.shape == (n,) and bytes(buf) == data.tobytes()
+    assert s.stats.tiers["shared"].hits == 1
+    s.flush(10)
+    if dram:  # promoted from the bytes this read kept, not read from the shared tier again
+        assert s.tiers[0].contains(key)
+        buf2, place2 = into(n)
+        assert s.get_into(key, place2)[0] == 0 and bytes(buf2) == data.tobytes()
+    assert whole_reads == []
+    s.close()
+
+
+def test_a_damaged_shared_entry_is_ignored_not_deleted(tmp_path):
+    s = shared_store(tmp_path)
+    key, data = only_in_shared(s, 5000)
+    path = s.tiers[-1]._path(key)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 4000)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 4000)
+        f.write(bytes([byte[0] ^ 1]))
+    assert s.get_into(key, into(5000)[1]) is None
+    assert s.stats.tiers["shared"].corrupt == 1 and os.path.exists(path)
+    assert not s.tiers[-1].contains(key)  # rejected here for a while
+    assert s.tiers[-1].health.failures == 0  # the entry's fault, not the tier's
+    s.close()
+
+
+def test_shared_reads_are_charged_to_the_link(tmp_path):
+    class Charged(Pacer):
+        seen = []
+
+        def take(self, nbytes, started=None):
+            self.seen.append(nbytes)
+
+    s = shared_store(tmp_path, pacer=Charged(1e9))
+    key, _ = only_in_shared(s, 3000)
+    Charged.seen.clear()
+    assert s.get_into(key, into(3000)[1])[0] == 1
+    assert Charged.seen == [HEADER_SIZE + 3000]
+    s.close()
+
+
+class Blocking:
+    """A reader whose payload reads wait for ``go`` (a network read that hangs)."""
+
+    def __init__(self, data):
+        self.inner, self.go, self.waiting = BytesReader(data), threading.Event(), threading.Event()
+        self.nread = 0
+
+    def size(self):
+        return self.inner.size()
+
+    def pread(self, n, offset):
+        return self.inner.pread(n, offset)
+
+    def readinto(self, view, offset):
+        self.waiting.set()
+        self.go.wait(10)
+        return self.inner.readinto(view, offset)
+
+
+def test_a_shared_read_writes_nothing_once_its_load_has_ended():
+    data = bytes(range(256)) * 4096
+    writers, reader = BlockWriters(), Blocking(data)
+    staged = Staged(reader, writers, keep=False)
+    view = memoryview(bytearray(PIECE_BYTES))
+    done = []
+    t = threading.Thread(target=lambda: done.append(_catch(lambda: staged.readinto(view, 0))))
+    t.start()
+    assert reader.waiting.wait(10)
+    writers.close()        # returns at once: the hung read holds no writer slot
+    reader.go.set()
+    t.join(10)
+    assert isinstance(done[0], LoadEnded) and not any(view)
+
+
+def test_a_shared_read_past_the_tier_deadline_is_a_miss_and_writes_nothing_after(tmp_path, monkeypatch):
+    s = shared_store(tmp_path, dram=False, timeout_s=0.2)
+    key, data = only_in_shared(s, PIECE_BYTES * 2)
+    ops = s.tiers[-1]._fs()
+    blocking = []
+
+    def slow(path, use):
+        with open(path, "rb") as f:
+            blocking.append(Blocking(f.read()))
+        return use(blocking[0])
+
+    monkeypatch.setattr(ops, "read_with", slow)
+    writers = BlockWriters()
+    buf, place = into(len(data))
+    t0 = time.monotonic()
+    assert s.get_into(key, place, writers) is None
+    assert time.monotonic() - t0 < 5 and s.stats.tiers["shared"].timeouts == 1
+    writers.close()        # the load ends (its blocks are recomputed)
+    blocking[0].go.set()   # the read wakes up, too late
+    time.sleep(0.2)
+    assert not any(buf)
+    s.close()
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e

@@ -20,8 +20,12 @@ Where tier methods run and what may block:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, TypeVar
 
+if TYPE_CHECKING:
+    from cache.placed import Reader
+
+T = TypeVar("T")
 Buffer = object  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
 
@@ -52,11 +56,14 @@ class Tier(ABC):
     def read(self, key: str) -> Buffer:
         """The whole encoded entry. Raises ``KeyError`` when absent."""
 
-    def open_entry(self, key: str) -> Optional[int]:
-        """An OS file descriptor open for reading on ``key``'s entry, which the caller
-        reads with ``pread`` and closes (``cache.placed``), or None for a tier whose
-        entries are not files (the caller uses ``read``). Raises ``KeyError`` when absent."""
-        return None
+    # Whether ``read_with`` works: entries can be read piece by piece into the caller's
+    # buffers (files, local or remote). Otherwise the store uses ``read``.
+    reads_in_place: bool = False
+
+    def read_with(self, key: str, use: Callable[["Reader"], T]) -> T:
+        """``use(reader)``, a ``cache.placed.Reader`` over ``key``'s entry (opened for
+        the call and closed after it). Raises ``KeyError`` when absent."""
+        raise NotImplementedError(f"the {self.name} tier does not read entries in place")
 
     @abstractmethod
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:

@@ -33,6 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from cache.placed import FdReader
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
                                 this_host)
@@ -155,11 +156,17 @@ class FileTier(Tier):
         finally:
             os.close(fd)
 
-    def open_entry(self, key: str) -> int:
+    reads_in_place = True
+
+    def read_with(self, key: str, use):
         try:
-            return os.open(self.path(key), os.O_RDONLY)
+            fd = os.open(self.path(key), os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(key) from None
+        try:
+            return use(FdReader(fd))
+        finally:
+            os.close(fd)
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self.path(key)

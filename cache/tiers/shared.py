@@ -37,6 +37,8 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterator, Optional, Sequence
 
+from cache.codec import CorruptEntry
+from cache.placed import LoadEnded
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.layout import TMP_MARK, entry_path, is_key, temp_path
 from cache.tiers.resilience import DaemonPool, Guard, Pacer, SharedUnavailable
@@ -111,6 +113,8 @@ class SharedTier(Tier):
         return self._ops
 
     def _do(self, op: str, *args):
+        if op == "read_with":
+            return self._read_with(*args)
         if self._pacer is None or op not in ("read", "write"):
             return getattr(self._fs(), op)(*args)
         started = self._clock()
@@ -235,6 +239,40 @@ class SharedTier(Tier):
             raise KeyError(key) from None
         self._learn(key)
         return data
+
+    reads_in_place = True
+
+    def read_with(self, key: str, use):
+        """``use(reader)`` on one of the tier's I/O threads, within its deadline (past it:
+        ``TimeoutError``, and ``use`` may still be running there). What ``use`` raises
+        about the entry or its caller (``CorruptEntry``, ``ValueError``, ``LoadEnded``)
+        is raised here and does not count against the tier."""
+        try:
+            result, refused = self._call("read_with", self._path(key), use)
+        except FileNotFoundError:
+            self._forget(key)
+            raise KeyError(key) from None
+        self._learn(key)
+        if refused is not None:
+            raise refused
+        return result
+
+    def _read_with(self, path: str, use):
+        readers = []
+
+        def counted(reader):
+            readers.append(reader)
+            try:
+                return use(reader), None
+            except (CorruptEntry, ValueError, LoadEnded) as e:
+                return None, e
+
+        started = self._clock()
+        try:
+            return self._fs().read_with(path, counted)
+        finally:
+            if self._pacer is not None and readers:
+                self._pacer.take(readers[0].nread, started)
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self._path(key)

@@ -24,9 +24,12 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from cache.config import ConfigError
+from cache.placed import BytesReader, FdReader, FileReader, Reader
+
+T = TypeVar("T")
 
 CURVINE_WRITE_CHUNK = 4 << 20  # the SDK's write buffer size, and bytes copied per call
 
@@ -39,6 +42,22 @@ class FsOps:
 
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
+
+    def read_with(self, path: str, use: Callable[[Reader], T]) -> T:
+        """``use(reader)`` over the file at ``path`` (``cache.placed``'s readers): a
+        mount (fsspec's plain local filesystem) is read with ``preadv``, any other
+        filesystem through its file object."""
+        if type(self.fs).__name__ == "LocalFileSystem":
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return use(FdReader(fd))
+            finally:
+                os.close(fd)
+        with self.fs.open(path, "rb") as f:
+            size = getattr(f, "size", None)
+            if size is None:
+                size = f.seek(0, os.SEEK_END)
+            return use(FileReader(f, int(size)))
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
@@ -108,6 +127,9 @@ class CurvineOps(FsOps):
                     writer.write(bytes(view[off:off + CURVINE_WRITE_CHUNK]))
         finally:
             writer.close()
+
+    def read_with(self, path: str, use: Callable[[Reader], T]) -> T:
+        return use(BytesReader(self.read(path)))  # the SDK reads whole files
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.rename(src, dst)

@@ -40,7 +40,8 @@ from cache.assembly import writer_store
 from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
 from cache.keys import Namespace
-from cache.placed import BlockWriters, Misfit
+from cache.placed import BlockWriters, LoadEnded, Misfit
+from cache.store import ELSEWHERE
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
@@ -240,11 +241,12 @@ class WorkerSide:
         """``_load`` for CPU blocks (``BlockCopier.placeable``): each chunk in a local file
         is read straight into its blocks and verified there (``TieredStore.get_into``),
         on the store's read threads, in parallel; a synchronous load's own thread first
-        takes every chunk no read thread has started, then waits for the others. Chunks
-        found elsewhere (the shared tier) are read with ``get`` on a read thread and
-        copied here. When the load fails or passes its deadline, the reads writing into
-        blocks are waited for (local files: one chunk each) and the ones not started
-        write nothing: no block vLLM is told to recompute is written afterwards."""
+        takes every local chunk no read thread has started, then waits for the others.
+        Shared-tier chunks are read on a read thread (through the tier's own threads,
+        within its deadline), a piece at a time into the blocks. When the load fails or
+        passes its deadline, the reads writing into blocks are waited for (a local
+        file's chunk, a shared read's piece) and the others write nothing: no block vLLM
+        is told to recompute is written afterwards."""
         end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
         writers = BlockWriters()
         futures = [self.store.run_read(self._read_chunk, c, writers) for c in load.chunks]
@@ -259,7 +261,7 @@ class WorkerSide:
                 if futures[i].cancel():
                     done_here[i] = self._read_chunk(chunk, writers, local_only=True)
                     if done_here[i][0] == "remote":  # the shared tier's read: on a read thread
-                        futures[i] = self.store.run_read(lambda k=chunk.key: ("entry", self.store.get(k)))
+                        futures[i] = self.store.run_read(self._read_chunk, chunk, writers)
                         del done_here[i]
                     elif done_here[i][0] == "failed":
                         break
@@ -291,15 +293,16 @@ class WorkerSide:
     def _read_chunk(self, chunk, writers: "BlockWriters", local_only: bool = False) -> tuple[str, object]:
         """One chunk of a placed load, on a read thread or the load's own thread:
         ("placed", (tier, bytes)) once in its blocks; ("entry", entry or None) from
-        ``get`` when no local file holds it (``local_only``: ("remote", None) instead);
-        ("failed", None) when it cannot be loaded or the load has ended (the event is
-        sent)."""
+        ``get`` for a tier that does not read in place (``local_only``: ("remote",
+        None) when only the shared tier may have it); ("failed", None) when it cannot
+        be loaded or the load has ended (the event is sent)."""
         copier = self.copiers[chunk.kind]
-        if not writers.enter():
-            return "failed", None
         try:
             found = self.store.get_into(
-                chunk.key, lambda info: copier.place(chunk.block_ids, chunk.skip_blocks, info.dtype, info.shape))
+                chunk.key, lambda info: copier.place(chunk.block_ids, chunk.skip_blocks, info.dtype, info.shape),
+                writers, local_only)
+        except LoadEnded:
+            return "failed", None
         except Misfit as e:
             self._misfit(chunk, e.tier, e)
             return "failed", None
@@ -307,10 +310,11 @@ class WorkerSide:
             log.exception("kvcache: loading chunk %s failed", chunk.key)
             self._on_event(chunk.key, "damaged", "none")
             return "failed", None
-        finally:
-            writers.leave()
-        if found is None:  # not in a local file: the shared tier (read, not yet copied), or a miss
+        if found is ELSEWHERE:
             return ("remote", None) if local_only else ("entry", self.store.get(chunk.key))
+        if found is None:
+            self._on_event(chunk.key, "missing", "none")
+            return "failed", None
         tier, info = found
         return "placed", (tier, HEADER_SIZE + info.payload_len)
 
