@@ -35,6 +35,7 @@ from cache.codec import HEADER_SIZE, CorruptEntry, EntryInfo, PayloadCheck, open
 # copy and the hash, large enough that the system calls cost nothing next to the copy.
 PIECE_BYTES = 256 << 10
 
+
 class LoadEnded(Exception):
     """The load this read belongs to has ended (failed or past its deadline): the read
     stops and writes nothing more into its buffers."""
