@@ -192,6 +192,7 @@ class Staged:
 
     def __init__(self, reader, writers: "BlockWriters", keep: bool) -> None:
         self.reader, self.writers, self.keep = reader, writers, keep
+        self.in_memory = isinstance(reader, BytesReader)  # pieces are views of it: no buffer
         self._buf: Optional[memoryview] = None
 
     def size(self) -> int:
@@ -199,7 +200,7 @@ class Staged:
 
     def pread(self, n: int, offset: int) -> bytes:
         data = self.reader.pread(n, offset)
-        if self.keep:
+        if self.keep and not self.in_memory:
             self._buffer(offset, len(data))[:] = data
         return data
 
@@ -209,7 +210,7 @@ class Staged:
         return self._buf[offset:offset + n] if self.keep else self._buf[:n]
 
     def readinto(self, view: memoryview, offset: int) -> int:
-        if hasattr(self.reader, "view"):  # already in memory: no buffer of our own
+        if self.in_memory:
             got = self.reader.view(offset, len(view))
         else:
             got = self._buffer(offset, len(view))
@@ -226,7 +227,7 @@ class Staged:
         """The whole entry (``keep``), or None."""
         if not self.keep:
             return None
-        return self.reader.data if hasattr(self.reader, "view") else self._buf
+        return self.reader.data if self.in_memory else self._buf
 
 
 class BlockWriters:

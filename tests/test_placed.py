@@ -311,12 +311,15 @@ def test_a_shared_read_past_the_tier_deadline_is_a_miss_and_writes_nothing_after
     s = shared_store(tmp_path, dram=False, timeout_s=0.2)
     key, data = only_in_shared(s, PIECE_BYTES * 2)
     ops = s.tiers[-1]._fs()
-    blocking = []
+    blocking, finished = [], threading.Event()
 
     def slow(path, use):
         with open(path, "rb") as f:
             blocking.append(Blocking(f.read()))
-        return use(blocking[0])
+        try:
+            return use(blocking[0])
+        finally:
+            finished.set()
 
     monkeypatch.setattr(ops, "read_with", slow)
     writers = BlockWriters()
@@ -326,7 +329,7 @@ def test_a_shared_read_past_the_tier_deadline_is_a_miss_and_writes_nothing_after
     assert time.monotonic() - t0 < 5 and s.stats.tiers["shared"].timeouts == 1
     writers.close()        # the load ends (its blocks are recomputed)
     blocking[0].go.set()   # the read wakes up, too late
-    time.sleep(0.2)
+    assert finished.wait(10)  # and ends on the tier's thread
     assert not any(buf)
     s.close()
 
