@@ -60,6 +60,7 @@ SETTINGS = (
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_LOAD_DECISION",
+    "KVCACHE_LAYERED_LOADS",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -125,6 +126,10 @@ class CacheConfig:
     # What a hit loads: "cost" (what the online cost model expects to reach the first token
     # sooner than computing it; cache.cost) or "always" (everything found).
     load_decision: str = "cost"
+    # A load the forward pass waits for hands over each layer as it lands
+    # (cache.vllm.layered): the forward pass computes layer i while layer i+1 loads.
+    # False: the whole load first (CPU blocks only; other loads always are whole).
+    layered_loads: bool = True
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
     signing_key: str = field(default="", repr=False)
@@ -284,6 +289,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     load_decision = (r.get("KVCACHE_LOAD_DECISION") or d.load_decision).lower()
     if load_decision not in LOAD_DECISIONS:
         raise ConfigError(f"KVCACHE_LOAD_DECISION={load_decision!r} must be one of {', '.join(LOAD_DECISIONS)}")
+    layered_loads = _bool(r, "KVCACHE_LAYERED_LOADS", d.layered_loads)
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
@@ -291,7 +297,8 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        disk_path=disk_path, disk_bytes=disk_bytes, shared_url=url, curvine_conf=conf,
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
-                       pin_max=pin_max, load_decision=load_decision, signing_key=signing_key, notes=tuple(notes))
+                       pin_max=pin_max, load_decision=load_decision, layered_loads=layered_loads,
+                       signing_key=signing_key, notes=tuple(notes))
 
 
 def _disk_bytes(size_text: str, path: str) -> int:

@@ -73,35 +73,106 @@ def read_placed(reader: Reader, namespace: bytes, key: str, place: Place, signin
     unsigned), ``ValueError`` (from ``place``), ``LoadEnded`` (``Staged``) or the
     reader's I/O errors; ``timer("read"|"decode", seconds)`` gets the time spent copying
     and checking."""
-    head = reader.pread(HEADER_SIZE, 0)
-    info, seal = open_header(head, namespace, key)
-    size = reader.size()
-    if size != HEADER_SIZE + info.payload_len:
-        raise CorruptEntry(f"entry is {size} bytes, header says {HEADER_SIZE + info.payload_len}")
-    views = [memoryview(v).cast("B") for v in place(info)]
-    total = sum(len(v) for v in views)
-    if total != info.payload_len:
-        raise ValueError(f"buffers of {total} bytes for a payload of {info.payload_len}")
-    check = PayloadCheck(seal, signing_key)
-    offset, reading, hashing = HEADER_SIZE, 0.0, 0.0
-    for view in views:
-        for start in range(0, len(view), PIECE_BYTES):
-            piece = view[start:start + PIECE_BYTES]
-            t0 = time.perf_counter()
-            got = reader.readinto(piece, offset)
-            t1 = time.perf_counter()
-            if got != len(piece):
-                raise CorruptEntry(f"entry ended at byte {offset + got}, header says {size}")
-            check.update(piece)
-            hashing += time.perf_counter() - t1
-            reading += t1 - t0
-            offset += got
-    t1 = time.perf_counter()
-    check.verify()
-    if timer is not None:
-        timer("read", reading)
-        timer("decode", hashing + time.perf_counter() - t1)
+    read = PartRead(namespace, key, place, signing_key, timer)
+    info = read.open(reader)
+    while not read.done:
+        read.read_part(reader)
     return info
+
+
+def _split(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
+    """``views`` (payload order) cut into runs of ``part_bytes`` bytes each."""
+    parts: list[list[memoryview]] = [[]]
+    room = part_bytes
+    for view in views:
+        while len(view):
+            if not room:
+                parts.append([])
+                room = part_bytes
+            take = view[:room]
+            parts[-1].append(take)
+            room -= len(take)
+            view = view[len(take):]
+    return parts
+
+
+class PartRead:
+    """An entry read into the caller's buffers a part at a time: its payload's leading
+    dimension (an entry's layers, ``[layers, blocks, ...]``), in order, so that a load can
+    hand each layer over while the next is read (``cache.vllm.layered``). ``open`` checks
+    the header and places the payload; each ``read_part`` reads the next part (a later
+    call may come through another reader of the same entry: ``same_entry`` first); the
+    last one verifies the whole payload (``PayloadCheck``, fed in payload order).
+    Until then the parts read are unverified: the caller must not let them be used
+    unless the last part verifies (a forward pass that ran on them is discarded)."""
+
+    def __init__(self, namespace: bytes, key: str, place: Place, signing_key: bytes = b"",
+                 timer: Optional[Callable[[str, float], None]] = None) -> None:
+        self.namespace, self.key, self.place = namespace, key, place
+        self.signing_key, self.timer = signing_key, timer
+        self.info: Optional[EntryInfo] = None
+        self.parts: list[list[memoryview]] = []
+        self.next_part = 0
+        self._head = b""
+        self._check: Optional[PayloadCheck] = None
+        self._part_bytes = 0
+        self._reading = self._hashing = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.info is not None and self.next_part == len(self.parts)
+
+    def open(self, reader: Reader) -> EntryInfo:
+        head = reader.pread(HEADER_SIZE, 0)
+        info, seal = open_header(head, self.namespace, self.key)
+        size = reader.size()
+        if size != HEADER_SIZE + info.payload_len:
+            raise CorruptEntry(f"entry is {size} bytes, header says {HEADER_SIZE + info.payload_len}")
+        views = [memoryview(v).cast("B") for v in self.place(info)]
+        total = sum(len(v) for v in views)
+        if total != info.payload_len:
+            raise ValueError(f"buffers of {total} bytes for a payload of {info.payload_len}")
+        n = info.shape[0] if len(info.shape) > 1 and info.shape[0] and info.payload_len % info.shape[0] == 0 else 1
+        self._part_bytes = info.payload_len // n
+        self.parts = _split(views, self._part_bytes) if info.payload_len else []
+        self._check = PayloadCheck(seal, self.signing_key)
+        self._head, self.info = bytes(head), info
+        if not self.parts:
+            self._verify()
+        return info
+
+    def same_entry(self, reader: Reader) -> None:
+        """``CorruptEntry`` unless ``reader`` reads the entry ``open`` checked (a file
+        replaced between two parts)."""
+        if reader.pread(HEADER_SIZE, 0) != self._head or reader.size() != HEADER_SIZE + self.info.payload_len:
+            raise CorruptEntry("entry replaced while it was being read")
+
+    def read_part(self, reader: Reader) -> None:
+        """Read the next part into its buffers and hash it; after the last, verify."""
+        offset = HEADER_SIZE + self.next_part * self._part_bytes
+        for view in self.parts[self.next_part]:
+            for start in range(0, len(view), PIECE_BYTES):
+                piece = view[start:start + PIECE_BYTES]
+                t0 = time.perf_counter()
+                got = reader.readinto(piece, offset)
+                t1 = time.perf_counter()
+                if got != len(piece):
+                    raise CorruptEntry(f"entry ended at byte {offset + got}, header says "
+                                       f"{HEADER_SIZE + self.info.payload_len}")
+                self._check.update(piece)
+                self._hashing += time.perf_counter() - t1
+                self._reading += t1 - t0
+                offset += got
+        self.next_part += 1
+        if self.next_part == len(self.parts):
+            self._verify()
+
+    def _verify(self) -> None:
+        t1 = time.perf_counter()
+        self._check.verify()
+        if self.timer is not None:
+            self.timer("read", self._reading)
+            self.timer("decode", self._hashing + time.perf_counter() - t1)
 
 
 class FdReader:

@@ -51,7 +51,7 @@ from typing import Callable, Optional, Sequence
 from cache.admission import SharedAdmission
 from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
 from cache.durability import CopyQueue
-from cache.placed import BlockWriters, LoadEnded, Misfit, Place, Staged, read_placed
+from cache.placed import BlockWriters, LoadEnded, Misfit, PartRead, Place, Staged
 from cache.faults import WriteFaults
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
@@ -239,17 +239,31 @@ class TieredStore:
         (``place`` raised ``ValueError``) raises ``Misfit``; it is kept. Blocks on
         file I/O, and on the shared tier's reads (within its deadline; a shared read
         writes into the buffers only a piece at a time, while ``writers`` admits it)."""
+        found = self._find_in_place(key, place, writers, local_only, whole=True)
+        return found if found is None or found is ELSEWHERE else (found.tier, found.read.info)
+
+    def read_layers(self, key: str, place: Place, writers: BlockWriters, local_only: bool = False):
+        """``get_into`` a part at a time (``PartRead``: an entry's layers), for a load
+        that hands each layer over while the next is read: finds the entry and reads its
+        first part into ``place(info)``; ``EntryRead.step`` reads each next one, the last
+        verifies the whole entry. Returns an ``EntryRead``, None (a miss) or ``ELSEWHERE``
+        (as ``get_into``); raises ``LoadEnded`` and ``Misfit`` as ``get_into`` does."""
+        return self._find_in_place(key, place, writers, local_only, whole=False)
+
+    def _find_in_place(self, key: str, place: Place, writers: Optional[BlockWriters], local_only: bool,
+                       whole: bool):
         writers = writers if writers is not None else BlockWriters()
         for i, tier in enumerate(self.tiers):
             remote = i >= self.n_local
             if not tier.reads_in_place or (remote and local_only):
                 return ELSEWHERE
-            keep = remote and self.n_local > 0 and self.policies is not None  # to promote it
-
+            # A whole shared entry is kept to promote it (a layered read lets the writer read it again).
+            keep = whole and remote and self.n_local > 0 and self.policies is not None
+            read = EntryRead(self, i, key, PartRead(self.namespace, key, place, self.signing_key, self.timer),
+                             writers, keep)
             t0 = time.perf_counter()
             try:
-                info, raw = tier.read_with(
-                    key, lambda reader, r=remote, k=keep: self._placed(reader, key, place, writers, r, k))
+                raw = tier.read_with(key, lambda reader: read.use(reader, whole))
             except KeyError:
                 continue
             except CorruptEntry as e:
@@ -263,25 +277,13 @@ class TieredStore:
             except Exception as e:  # a tier failing must not fail the request
                 self._failed(tier, "reading", key, e)
                 continue
-            self._hit(i, key, info, time.perf_counter() - t0, raw, True)
-            return i, info
+            read.seconds = time.perf_counter() - t0
+            if read.read.done:
+                self._hit(i, key, read.read.info, read.seconds, raw, True)
+            return read
         if self.tiers:
             self.stats.tiers[self.tiers[0].name].misses += 1
         return None
-
-    def _placed(self, reader, key: str, place: Place, writers: BlockWriters, remote: bool, keep: bool):
-        """``read_placed`` for ``get_into``: ``(info, whole entry or None)``. A local
-        file is read straight into the buffers while ``writers`` admits it (one chunk
-        at most after the load ends); a shared-tier entry through ``Staged``."""
-        if remote:
-            staged = Staged(reader, writers, keep)
-            return read_placed(staged, self.namespace, key, place, self.signing_key, self.timer), staged.entry()
-        if not writers.enter():
-            raise LoadEnded()
-        try:
-            return read_placed(reader, self.namespace, key, place, self.signing_key, self.timer), None
-        finally:
-            writers.leave()
 
     def run_read(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on an I/O thread (work that calls ``get``/``get_into``)."""
@@ -799,3 +801,69 @@ class TieredStore:
                 with self._lock:
                     tracked = [k for k in present if k in self.policies[i]]
                 assert len(tracked) == len(present), f"{tier.name}: untracked entries"
+
+
+class EntryRead:
+    """An entry being read in place from tier ``tier`` of ``store``, a part at a time
+    (``TieredStore.read_layers``). Runs on the thread that calls ``step``: a read thread,
+    or a load's own thread for a local tier; it blocks on that part's I/O (a shared
+    tier's read: within the tier's deadline)."""
+
+    def __init__(self, store: TieredStore, tier: int, key: str, read: PartRead, writers: BlockWriters,
+                 keep: bool) -> None:
+        self.store, self.tier, self.key, self.read, self.writers = store, tier, key, read, writers
+        self.keep = keep
+        self.seconds = 0.0  # time spent reading, for the tier's statistics
+
+    @property
+    def remote(self) -> bool:
+        return self.tier >= self.store.n_local
+
+    def use(self, reader, whole: bool):
+        """Inside the tier's ``read_with``: open the entry (the first call) or check it is
+        still the same, then read the next part (``whole``: every part left). A local
+        file is read straight into the buffers while ``writers`` admits it; a shared-tier
+        entry through ``Staged`` (a piece at a time). The whole entry when ``keep``."""
+        staged = Staged(reader, self.writers, self.keep) if self.remote else None
+        if staged is None and not self.writers.enter():
+            raise LoadEnded()
+        try:
+            reader = staged or reader
+            if self.read.info is None:
+                self.read.open(reader)
+            else:
+                self.read.same_entry(reader)
+            while not self.read.done:
+                self.read.read_part(reader)
+                if not whole:
+                    break
+        finally:
+            if staged is None:
+                self.writers.leave()
+        return staged.entry() if staged is not None else None
+
+    def step(self) -> bool:
+        """Read the next part; False when the entry could not be read (gone, damaged,
+        replaced, or the tier failed: counted, and the chunk's event sent). Once
+        ``read.done`` the entry is whole and verified, and counted as a hit. Raises
+        ``LoadEnded``."""
+        store, tier = self.store, self.store.tiers[self.tier]
+        t0 = time.perf_counter()
+        try:
+            tier.read_with(self.key, lambda reader: self.use(reader, False))
+        except LoadEnded:
+            raise
+        except KeyError:
+            store._note(self.key, "missing", "none")
+            return False
+        except CorruptEntry as e:
+            store.stats.tiers[tier.name].corrupt += 1
+            store._drop_bad(self.tier, self.key, e)
+            return False
+        except Exception as e:  # a tier failing must not fail the request
+            store._failed(tier, "reading", self.key, e)
+            return False
+        self.seconds += time.perf_counter() - t0
+        if self.read.done:
+            store._hit(self.tier, self.key, self.read.info, self.seconds, None, True)
+        return True

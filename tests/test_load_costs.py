@@ -214,12 +214,15 @@ def test_a_synchronous_load_reads_what_no_read_thread_has_started(worker, monkey
     assert side.take_settled().samples[0][:2] == ("load", "dram")
 
 
-def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layered", [True, False])
+def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_path, monkeypatch, layered):
     """The loading thread reads local files itself, never a shared-tier chunk (a network
-    read it could not stop at the deadline): that one goes to a read thread."""
+    read it could not stop at the deadline): that one goes to a read thread. Layer-wise
+    (``cache.vllm.layered``) the forward thread takes no shared-tier layer either."""
     import threading
 
-    side = WorkerSide(config(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3"),
+    side = WorkerSide(config(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3",
+                             KVCACHE_LAYERED_LOADS=str(layered).lower()),
                       Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK), num_blocks=8, block_size=BLOCK)
     caches = {f"layer.{i}": torch.randn(8, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(2)}
     side.register_kv_caches(caches)
@@ -244,7 +247,9 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():
         assert torch.equal(t[4:6], t[0:2])  # read in place from the shared tier's file
-    assert len(submitted) == 2 and readers and all(name.startswith("kvcache-read") for name in readers)
+    if layered:  # the never-started first layer, handed back, then the second layer
+        side.wait_for_layer_load("layer.1")
+    assert len(submitted) == 2 + layered and readers and all(name.startswith("kvcache-read") for name in readers)
     assert side.take_settled().samples[0][:2] == ("load", "shared")
     side.shutdown()
 

@@ -129,7 +129,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv (sync) or before the request runs (async)
+        # Layer-wise loads (cache.vllm.layered); other loads finished in start_load_kv
+        # (sync) or before the request runs (async).
+        if self.worker_side is not None:
+            self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata, **kwargs: Any) -> None:
         return  # saves are gathered once per step, in wait_for_save

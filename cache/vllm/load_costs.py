@@ -54,13 +54,15 @@ class LoadCosts:
 
     # -- loads (any thread) ------------------------------------------------------
     def loaded(self, load: LoadRequest, seconds: float, bytes_by_tier: dict[str, int], cut: bool,
-               failed: bool) -> None:
+               failed: bool, forward_seconds: Optional[float] = None) -> None:
         """A load ended after ``seconds``: ``bytes_by_tier`` read and verified; ``cut``:
-        stopped at its deadline; ``failed``: some chunk failed (missing, damaged)."""
+        stopped at its deadline; ``failed``: some chunk failed (missing, damaged).
+        ``forward_seconds``: of those, the forward thread's (a layer-wise load overlaps
+        the forward pass; default: all of a synchronous load's, none of another's)."""
         mode = "async" if load.asynchronous else "sync"
         with self._lock:
             if not load.asynchronous:
-                self._loading += seconds
+                self._loading += seconds if forward_seconds is None else forward_seconds
             if len(bytes_by_tier) == 1 and not cut and not failed:
                 (tier, nbytes), = bytes_by_tier.items()
                 self._samples.append(("load", tier, nbytes, seconds))

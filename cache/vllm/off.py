@@ -57,6 +57,9 @@ class CacheOff:
     def start_load_kv(self, meta) -> None:
         return None
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
     def wait_for_save(self, meta) -> None:
         return None
 

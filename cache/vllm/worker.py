@@ -4,7 +4,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
 - ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
   asynchronous (disk, shared) go to the store's read threads and are reported through
-  ``get_finished`` when their blocks are filled.
+  ``get_finished`` when their blocks are filled. On CPU blocks a synchronous load goes
+  layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``, ``wait_for_save``).
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
@@ -45,6 +46,7 @@ from cache.store import ELSEWHERE
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, KVLayout
+from cache.vllm.layered import StepLoads
 from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
@@ -77,6 +79,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # hybrid models: loads that failed
         self._inflight: dict[str, object] = {}
+        self.layered = StepLoads(self)  # this step's layer-wise loads (forward thread)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
         # What happened to chunks since the last step, for the scheduler's explanations
         # (cache.explain): (key, event, tier), at most MAX_EVENTS per step.
@@ -136,11 +139,17 @@ class WorkerSide:
                                      name=f"kvcache-load-{load.req_id}")
                 self._inflight[load.req_id] = t
                 t.start()
+            elif self.layered.wants(load):
+                self.layered.start(load)
             else:
                 failed = self._timed_load(load)
                 if failed:
                     with self._lock:
                         self._failed_blocks |= failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before attention layer ``layer_name`` (forward thread): its KV is in place."""
+        self.layered.wait(layer_name)
 
     def _load_async(self, load: LoadRequest, mark) -> None:
         self._thread_setup("load")
@@ -333,6 +342,7 @@ class WorkerSide:
         return self._stats.take(counters, {"all.enabled": 1, **self.store.levels()})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self.layered.finish()  # (done in wait_for_save, unless vLLM deferred that)
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -345,6 +355,7 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
+        self.layered.finish()  # this step's layer-wise loads end; failures go with its output
         if self.costs is not None:
             self.costs.forward_ended()
         if not meta.saves or not self.copiers:
