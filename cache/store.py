@@ -823,7 +823,8 @@ class EntryRead:
         """Inside the tier's ``read_with``: open the entry (the first call) or check it is
         still the same, then read the next part (``whole``: every part left). A local
         file is read straight into the buffers while ``writers`` admits it; a shared-tier
-        entry through ``Staged`` (a piece at a time). The whole entry when ``keep``."""
+        entry through ``Staged`` (a piece at a time); one a transport read whole
+        (Curvine's SDK) all at once. The whole entry when ``keep`` or read whole."""
         staged = Staged(reader, self.writers, self.keep) if self.remote else None
         if staged is None and not self.writers.enter():
             raise LoadEnded()
@@ -833,6 +834,7 @@ class EntryRead:
                 self.read.open(reader)
             else:
                 self.read.same_entry(reader)
+            whole = whole or (staged is not None and staged.in_memory)  # read whole already: use it all
             while not self.read.done:
                 self.read.read_part(reader)
                 if not whole:
@@ -840,7 +842,9 @@ class EntryRead:
         finally:
             if staged is None:
                 self.writers.leave()
-        return staged.entry() if staged is not None else None
+        if staged is None:
+            return None
+        return staged.reader.data if staged.in_memory else staged.entry()
 
     def step(self) -> bool:
         """Read the next part; False when the entry could not be read (gone, damaged,
@@ -850,7 +854,7 @@ class EntryRead:
         store, tier = self.store, self.store.tiers[self.tier]
         t0 = time.perf_counter()
         try:
-            tier.read_with(self.key, lambda reader: self.use(reader, False))
+            raw = tier.read_with(self.key, lambda reader: self.use(reader, False))
         except LoadEnded:
             raise
         except KeyError:
@@ -865,5 +869,5 @@ class EntryRead:
             return False
         self.seconds += time.perf_counter() - t0
         if self.read.done:
-            store._hit(self.tier, self.key, self.read.info, self.seconds, None, True)
+            store._hit(self.tier, self.key, self.read.info, self.seconds, raw, True)
         return True

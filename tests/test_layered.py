@@ -228,3 +228,25 @@ def test_an_entry_replaced_between_parts_is_refused():
     with pytest.raises(CorruptEntry):
         read.same_entry(BytesReader(replaced))
     read.same_entry(BytesReader(raw))
+
+
+def test_a_transport_that_reads_whole_files_reads_each_entry_once(tmp_path, monkeypatch):
+    """Curvine's SDK reads whole files only: a layer-wise load takes every layer of such
+    an entry from its one read (not one whole-file read per layer)."""
+    from cache.tiers.transport import CurvineOps
+
+    side, caches = worker(tmp_path, "shared")
+    ops, reads = side.store.tiers[-1]._fs(), []
+
+    def whole_file(path, use):
+        reads.append(path)
+        return CurvineOps.read_with(ops, path, use)
+
+    monkeypatch.setattr(ops, "read_with", whole_file)
+    side.start_load_kv(load())
+    for layer in range(LAYERS):
+        side.wait_for_layer_load(f"layer.{layer}")
+    side.wait_for_save(TieredKVMetadata())
+    assert side.get_block_ids_with_load_errors() == set()
+    assert all(in_place(caches, i) for i in range(LAYERS)) and len(reads) == 3
+    side.shutdown()
