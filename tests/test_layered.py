@@ -17,7 +17,7 @@ from cache.config import build_cache_config
 from cache.keys import Namespace
 from cache.placed import BytesReader, PartRead, read_placed
 from cache.store import EntryRead
-from cache.vllm.layered import LayeredLoad
+from cache.vllm.layered import MIN_COMPUTE_TOKENS, LayeredLoad
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.worker import WorkerSide
 from tests.test_placed import NS
@@ -51,9 +51,10 @@ def worker(tmp_path, tier):
     return side, caches
 
 
-def load(deadline_s=None, hit_end=3 * CHUNK):
+def load(deadline_s=None, hit_end=3 * CHUNK, compute_tokens=MIN_COMPUTE_TOKENS):
     chunks = [ChunkIO(k, KEYS[c - 1] if c else None, TARGET[c]) for c, k in enumerate(KEYS)]
-    return TieredKVMetadata(loads=[LoadRequest("r", chunks, False, hit_end, deadline_s=deadline_s)])
+    return TieredKVMetadata(loads=[LoadRequest("r", chunks, False, hit_end, deadline_s=deadline_s,
+                                               compute_tokens=compute_tokens)])
 
 
 def in_place(caches, layer, chunks=range(3)):
@@ -175,6 +176,15 @@ def test_a_last_block_filled_in_part_is_whole_before_the_forward_pass(tmp_path, 
     side.wait_for_save(TieredKVMetadata())
     assert side.get_block_ids_with_load_errors() == set()
     assert all(in_place(caches, i) for i in range(LAYERS))
+    side.shutdown()
+
+
+def test_a_load_beside_little_compute_is_whole_before_the_forward_pass(tmp_path):
+    """A full hit computes one token: nothing to overlap, the load is whole at once."""
+    side, caches = worker(tmp_path, "disk")
+    side.start_load_kv(load(compute_tokens=MIN_COMPUTE_TOKENS - 1))
+    assert not side.layered.loads and all(in_place(caches, i) for i in range(LAYERS))
+    assert side.get_block_ids_with_load_errors() == set()
     side.shutdown()
 
 

@@ -21,6 +21,7 @@ from cache.keys import Namespace
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.vllm.kv_copy import BlockCopier
+from cache.vllm.layered import MIN_COMPUTE_TOKENS
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVPromMetrics
 from cache.vllm.scheduler import SchedulerSide
@@ -243,7 +244,8 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
         return Future() if len(submitted) == 1 else run_read(fn, *args)
 
     monkeypatch.setattr(side.store, "run_read", first_never_starts)
-    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]))
+    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False,
+                                                           compute_tokens=MIN_COMPUTE_TOKENS)]))
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():
         assert torch.equal(t[4:6], t[0:2])  # read in place from the shared tier's file

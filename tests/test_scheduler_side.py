@@ -108,6 +108,7 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     side.update_state_after_alloc(again, Blocks(list(range(11))), 1408)
     (load,) = side.build_connector_meta(output()).loads
     assert load.chunks[-1].block_ids == [10]
+    assert load.compute_tokens == 1  # what the forward pass computes after it (cache.vllm.layered)
 
     other = request("c", 1500, seed=1)
     other.prompt_token_ids = req.prompt_token_ids[:520] + other.prompt_token_ids[520:]

@@ -38,6 +38,12 @@ from cache.vllm.metadata import LoadRequest
 
 log = logging.getLogger(__name__)
 
+# A load goes layer by layer only when the forward pass beside it computes at least this
+# many of the request's tokens: with less (a full hit computes one) there is nothing to
+# overlap, and whole loads are faster (measured here on full hits at 4K/8K tokens,
+# layer-wise against whole: disk 116/147 vs 76/125 ms, DRAM 47/77 vs 46/63 ms).
+MIN_COMPUTE_TOKENS = 64
+
 # How long the forward thread sleeps at most between looks at a load it waits for (it
 # is woken as soon as a layer lands; this only bounds a missed wake-up and the deadline).
 POLL_S = 0.05
@@ -251,11 +257,12 @@ class StepLoads:
         self.loads: list[LayeredLoad] = []
 
     def wants(self, load: LoadRequest) -> bool:
-        """Whether a synchronous load goes layer by layer: CPU blocks read in place, one
-        entry kind holding every layer, and the setting on (``KVCACHE_LAYERED_LOADS``)."""
+        """Whether a synchronous load goes layer by layer: the setting on
+        (``KVCACHE_LAYERED_LOADS``), enough compute beside it (``MIN_COMPUTE_TOKENS``),
+        CPU blocks read in place, one entry kind holding every layer."""
         w = self.worker
-        return (w.config.layered_loads and not w.layout.hybrid and len(w.copiers) == 1
-                and w.copiers[0].placeable)
+        return (w.config.layered_loads and load.compute_tokens >= MIN_COMPUTE_TOKENS and not w.layout.hybrid
+                and len(w.copiers) == 1 and w.copiers[0].placeable)
 
     def start(self, load: LoadRequest) -> None:
         self.loads.append(LayeredLoad(self.worker, load, self.worker.copiers[0].layout.layer_names))

@@ -44,6 +44,7 @@ class LoadRequest:
     hit_end: int = 0       # tokens computed once loaded
     estimate_s: Optional[float] = None  # expected load time (cache.cost)
     deadline_s: Optional[float] = None  # cut short after this long; the rest is recomputed
+    compute_tokens: int = 0  # prompt tokens the request computes after it (cache.vllm.layered)
 
 
 @dataclass

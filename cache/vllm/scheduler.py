@@ -222,8 +222,8 @@ class SchedulerSide:
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         asynchronous = self.layout.hybrid or (not inline and any(x.tier not in self.sync_tiers for x in plan.loads))
         st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
-        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end,
-                                      cost.estimate_s, cost.deadline_s)
+        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end,  # then computes the rest
+                                      cost.estimate_s, cost.deadline_s, st.n_tokens - hit_end)
         return hit_end - num_computed_tokens, asynchronous
 
     def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int, inline: bool):
