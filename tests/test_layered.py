@@ -188,6 +188,22 @@ def test_a_load_beside_little_compute_is_whole_before_the_forward_pass(tmp_path)
     side.shutdown()
 
 
+def test_a_layered_load_is_timed_until_it_is_whole_not_until_the_forward_pass_ends(tmp_path):
+    """The cost model learns the tier's rate from a load's time: the forward pass beside a
+    layer-wise load may go on long after the load is whole, and that is not the tier's."""
+    import time
+
+    side, caches = worker(tmp_path, "disk")
+    side.start_load_kv(load())
+    for layer in range(LAYERS):
+        side.wait_for_layer_load(f"layer.{layer}")
+    time.sleep(1.0)  # the rest of the forward pass
+    side.wait_for_save(TieredKVMetadata())
+    (sample,) = [s for s in side.take_settled().samples if s[0] == "load"]
+    assert sample[:2] == ("load", "disk") and sample[3] < 1.0
+    side.shutdown()
+
+
 def test_a_layer_this_load_does_not_know_waits_for_all_of_it(tmp_path):
     side, caches = worker(tmp_path, "disk")
     side.start_load_kv(load())

@@ -73,6 +73,7 @@ class LayeredLoad:
         self._cut = False                    # past the deadline
         self._ended = False
         self._waited = 0.0                   # the forward thread's time in ``wait``
+        self._done_at: Optional[float] = None  # when the last chunk was whole
         self._failed: Optional[set[int]] = None
         # The forward pass writes its new tokens' KV into a layer's blocks before it waits
         # for that layer: a last block the hit fills only in part must be whole before the
@@ -105,6 +106,7 @@ class LayeredLoad:
                 self._failed_at = min(self._failed_at, c)
             else:
                 self._layers[c] = self.n_layers
+            self._note_done()
 
     # -- read threads and the forward thread ---------------------------------------
     def _queue(self, c: int) -> None:
@@ -167,7 +169,14 @@ class LayeredLoad:
                 self._layers[c] = read.read.next_part
             if ok and not whole and not self._ended and c < self._failed_at:
                 self._queue(c)
+            self._note_done()
             self._cond.notify_all()
+
+    def _note_done(self) -> None:
+        """Under the lock: note when the load is whole (its time, for the cost model, is
+        until then, not until the forward pass beside it ends)."""
+        if self._done_at is None and self._ready(self.n_layers - 1):
+            self._done_at = time.perf_counter()
 
     def _count(self, chunk, done: tuple[int, int]) -> None:
         with self._cond:
@@ -237,7 +246,7 @@ class LayeredLoad:
         chunks = self.load.chunks
         with self._cond:
             self._failed = {b for ch in chunks[self._failed_at:] for b in ch.block_ids}
-        seconds = time.perf_counter() - self.started
+        seconds = (self._done_at or time.perf_counter()) - self.started
         worker = self.worker
         if worker.costs is not None:
             worker.costs.loaded(self.load, seconds, self.read, self._cut, bool(self._failed),
