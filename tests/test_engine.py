@@ -35,6 +35,8 @@ SHORT = tokens(3, 50)                 # shorter than one block
 P4 = tokens(4, 900)
 PS = tokens(6, 700)                   # sent with cache_salt "tenantA" by one engine
 PA = tokens(5, 1409)                  # n - 1 on a block boundary: tier and L0 hits compute alike
+PL = tokens(7, 612)                   # two whole chunks and a tail
+PM = PL[:512] + tokens(8, 100)        # PL's two chunks and 100 new tokens: a partial hit
 HIT_P1 = 1500 - 1                     # a tier hit loads all but the last token
 L0_P1 = (1500 - 1) // BLOCK * BLOCK   # 1408: vLLM's own prefix cache holds whole blocks
 
@@ -86,6 +88,11 @@ def one_engine(model_path, tmp):
             {"sleep": 1.0},  # this test is about logprobs, not about waiting for saves in flight
             {"prompt_token_ids": PA},
             {"sleep": 1.0},
+            {"prompt_token_ids": PL},
+            {"prompt_token_ids": PM, "kv_transfer_params": {"kvcache_save": False}},
+            {"reset_prefix_cache": True},
+            {"sleep": 1.0},
+            {"prompt_token_ids": PM},
         ],
     }
     return run_engine(spec)
@@ -105,6 +112,18 @@ def test_tier_hit_logprobs_equal_prefix_cache_hit(one_engine):
     assert l0["num_cached_tokens"] == 1408 and l0["loaded"] == {}
     assert sum(tier["loaded"].values()) == 1408
     assert len(l0["logprobs"][0]) >= 5
+    assert same_logprobs(l0, tier)
+
+
+def test_a_partial_hit_loaded_layer_by_layer_equals_the_prefix_cache_hit(one_engine):
+    """PM's two chunks load layer by layer (cache.vllm.layered: 100 tokens compute beside
+    them) and give the same tokens and logprobs as vLLM's own prefix cache serving those
+    chunks (the same KV bytes, the same 100 tokens computed). That each layer is in place
+    before its attention runs is checked in tests/test_layered.py: here the small model's
+    load is done before the forward pass needs it."""
+    l0, tier = one_engine[10], one_engine[11]
+    assert l0["num_cached_tokens"] == 512 and l0["loaded"] == {}
+    assert sum(tier["loaded"].values()) == 512 == tier["num_cached_tokens"]
     assert same_logprobs(l0, tier)
 
 

@@ -186,9 +186,6 @@ class LayeredLoad:
         """Whether ``layer`` is in place in every chunk that can still load (under the lock)."""
         return all(n > layer for n in self._layers[:self._failed_at])
 
-    def _all_done(self) -> bool:
-        return self._ended or self._ready(self.n_layers - 1)
-
     def _steal(self) -> Optional[int]:
         """A queued layer of a local chunk no read thread has started, taken off the queue
         (under the lock); the forward thread reads it itself."""
