@@ -152,8 +152,8 @@ class PartRead:
 
     def same_entry(self, reader: Reader) -> None:
         """``CorruptEntry`` unless ``reader`` reads the entry ``open`` checked (a file
-        replaced between two parts)."""
-        if reader.pread(HEADER_SIZE, 0) != self._head or reader.size() != HEADER_SIZE + self.info.payload_len:
+        replaced between two parts; a shorter one fails its next part's read)."""
+        if reader.pread(HEADER_SIZE, 0) != self._head:
             raise CorruptEntry("entry replaced while it was being read")
 
     def read_part(self, reader: Reader) -> None:

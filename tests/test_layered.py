@@ -139,7 +139,7 @@ def test_a_load_past_its_deadline_writes_nothing_after_it_ended(tmp_path, monkey
 
     monkeypatch.setattr(EntryRead, "step", slow_last_chunk)
     monkeypatch.setattr(LayeredLoad, "_steal", lambda self: None)  # the late read is on a read thread
-    side.start_load_kv(load(deadline_s=0.5))
+    side.start_load_kv(load(deadline_s=2.0))  # the two other chunks are whole long before
     for layer in range(LAYERS):
         side.wait_for_layer_load(f"layer.{layer}")  # the last chunk is late: cut at the deadline
     side.wait_for_save(TieredKVMetadata())
