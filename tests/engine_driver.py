@@ -20,9 +20,9 @@ Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "lo
 ``sleep`` waits S seconds, then until the tiers' folders are quiet (no temporary file, no
 change for 0.3 s). ``engine`` reports what vLLM decided about the engine (its hybrid KV cache manager on or
 off); ``metrics`` the Prometheus metrics whose names start with PREFIX (needs ``log_stats``),
-by name and, under ``labelled``, by ``name{cause=..,tier=..}``; with ``until``, once
-those labelled samples reach their minimum (one-token requests in between carry the
-workers' counters to the registry), or after ``timeout`` seconds. ``damage`` flips a payload
+by name and, under ``labelled``, by ``name{cause=..,mode=..,path=..,tier=..}``; with
+``until``, once those labelled samples reach their minimum (one-token requests in between
+carry the workers' counters to the registry), or after ``timeout`` seconds. ``damage`` flips a payload
 bit of every other entry file and truncates the rest; ``fill`` takes every free byte of
 FOLDER's filesystem with one file, ``unfill`` removes it.
 """
@@ -141,12 +141,12 @@ def fill(folder: str) -> int:
 
 def read_metrics(prefix: str) -> tuple[dict, dict]:
     """This process's Prometheus samples whose names start with ``prefix``: by name, and
-    by ``name{cause=..,tier=..}``."""
+    by ``name{cause=..,mode=..,path=..,tier=..}`` (the labels each has of these)."""
     from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
 
     samples = [s for m in REGISTRY.collect() if m.name.startswith(prefix) for s in m.samples]
     labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                                        if k in ("tier", "cause")) + "}": s.value for s in samples}
+                                        if k in ("tier", "cause", "mode", "path")) + "}": s.value for s in samples}
     return {s.name: s.value for s in samples}, labelled
 
 

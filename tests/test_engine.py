@@ -92,8 +92,11 @@ def one_engine(model_path, tmp):
             {"prompt_token_ids": PM, "kv_transfer_params": {"kvcache_save": False}},
             {"reset_prefix_cache": True},
             {"sleep": 1.0},
+            {"metrics": "kvcache:loads"},
             {"prompt_token_ids": PM},
+            {"metrics": "kvcache:loads"},
         ],
+        "log_stats": True,  # the metrics steps: which way each load went
     }
     return run_engine(spec)
 
@@ -117,14 +120,28 @@ def test_tier_hit_logprobs_equal_prefix_cache_hit(one_engine):
 
 def test_a_partial_hit_loaded_layer_by_layer_equals_the_prefix_cache_hit(one_engine):
     """PM's two chunks load layer by layer (cache.vllm.layered: 100 tokens compute beside
-    them) and give the same tokens and logprobs as vLLM's own prefix cache serving those
-    chunks (the same KV bytes, the same 100 tokens computed). That each layer is in place
-    before its attention runs is checked in tests/test_layered.py: here the small model's
-    load is done before the forward pass needs it."""
-    l0, tier = one_engine[10], one_engine[11]
+    them; ``kvcache:loads_total{mode=layered}`` counts it) and give the same tokens and
+    logprobs as vLLM's own prefix cache serving those chunks (the same KV bytes, the same
+    100 tokens computed). That each layer is in place before its attention runs is checked
+    in tests/test_layered.py: here the small model's load is done before the forward pass
+    needs it."""
+    l0, before, tier, after = one_engine[10], one_engine[11], one_engine[12], one_engine[13]
     assert l0["num_cached_tokens"] == 512 and l0["loaded"] == {}
     assert sum(tier["loaded"].values()) == 512 == tier["num_cached_tokens"]
     assert same_logprobs(l0, tier)
+    loads = {mode: after["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0)
+             - before["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0) for mode in ("sync", "layered")}
+    assert loads == {"sync": 0, "layered": 1}
+
+
+def test_a_full_hit_loads_whole_before_the_forward_pass(one_engine):
+    """A hit that computes one token has nothing to overlap: its load is whole (mode sync).
+    Every load of the engine, counted at the last metrics step: whole, P1's top-up of
+    vLLM's hit and P1's, SHORT's and PA's tier hits; layer by layer, P2's and PM's partial
+    hits (488 and 100 tokens computed)."""
+    loads = one_engine[13]["labelled"]
+    assert loads.get("kvcache:loads_total{mode=sync}") == 4
+    assert loads.get("kvcache:loads_total{mode=layered}") == 2
 
 
 def test_hit_with_a_partly_filled_last_block_matches_recompute(one_engine):

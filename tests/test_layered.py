@@ -144,7 +144,7 @@ def test_a_load_past_its_deadline_writes_nothing_after_it_ended(tmp_path, monkey
         side.wait_for_layer_load(f"layer.{layer}")  # the last chunk is late: cut at the deadline
     side.wait_for_save(TieredKVMetadata())
     assert side.get_block_ids_with_load_errors() == set(TARGET[2])
-    assert side.get_stats().data["load:sync.cut_short"] == 1
+    assert side.get_stats().data["load:layered.cut_short"] == 1
     release.set()
     side.store.run_read(lambda: None).result(5)  # the late read has run on the read threads
     side.store.flush(5)

@@ -247,7 +247,7 @@ class LayeredLoad:
         worker = self.worker
         if worker.costs is not None:
             worker.costs.loaded(self.load, seconds, self.read, self._cut, bool(self._failed),
-                                forward_seconds=self._waited)
+                                forward_seconds=self._waited, layered=True)
         if worker._timer is not None:
             worker._timer("load", seconds, req=self.load.req_id, asynchronous=False, chunks=len(chunks),
                           failed=len(self._failed), cut_short=self._cut, estimate=self.load.estimate_s,

@@ -14,10 +14,11 @@ What it sends back (``take``, with the step's ``TieredKVWorkerMetadata``):
   then, so no step is timed there and the scheduler, lacking a prefill rate, loads every
   hit (no cost-based choice).
 
-``totals`` (cumulative, for ``cache.vllm.metrics``): per load mode (``sync``, ``async``)
-the loads and their measured seconds; of the loads the cost model estimated, its
-estimate and their measured seconds; the loads cut short at their deadline (the rest
-of their prompt recomputed).
+``totals`` (cumulative, for ``cache.vllm.metrics``): per load mode (``sync``: whole,
+before the forward pass; ``layered``: layer by layer during it, ``cache.vllm.layered``;
+``async``: on its own thread while the request waits) the loads and their measured
+seconds; of the loads the cost model estimated, its estimate and their measured
+seconds; the loads cut short at their deadline (the rest of their prompt recomputed).
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ class LoadCosts:
 
     # -- loads (any thread) ------------------------------------------------------
     def loaded(self, load: LoadRequest, seconds: float, bytes_by_tier: dict[str, int], cut: bool,
-               failed: bool, forward_seconds: Optional[float] = None) -> None:
+               failed: bool, forward_seconds: Optional[float] = None, layered: bool = False) -> None:
         """A load ended after ``seconds``: ``bytes_by_tier`` read and verified; ``cut``:
         stopped at its deadline; ``failed``: some chunk failed (missing, damaged).
         ``forward_seconds``: of those, the forward thread's (a layer-wise load overlaps
-        the forward pass; default: all of a synchronous load's, none of another's)."""
-        mode = "async" if load.asynchronous else "sync"
+        the forward pass; default: all of a synchronous load's, none of another's).
+        ``layered``: the load went layer by layer (counted as its own mode)."""
+        mode = "async" if load.asynchronous else "layered" if layered else "sync"
         with self._lock:
             if not load.asynchronous:
                 self._loading += seconds if forward_seconds is None else forward_seconds

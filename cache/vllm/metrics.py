@@ -17,7 +17,7 @@ prompt tokens computed since its last report, by the reason they were not loaded
 ``partial``, ``recompute``; ``cache.vllm.planner``). The workers add
 ``{"write_failure:<cause>:<tier>": n}``: failed tier writes by cause (``cache.faults``),
 exported as ``kvcache:tier_write_failures_total{tier,cause}``, and
-``{"load:<mode>.<field>": n}`` per load mode (``sync``, ``async``): loads, their
+``{"load:<mode>.<field>": n}`` per load mode (``sync``, ``layered``, ``async``): loads, their
 seconds, the cost model's estimate against the measured seconds of the loads it
 estimated, and loads cut short at their deadline (``PLAN_COUNTERS``;
 ``cache.vllm.load_costs``).
@@ -62,7 +62,8 @@ PLAN_COUNTERS = {
                            "Requests that found a prefix in the tiers, by what the cost model chose: load "
                            "(everything found), partial (a prefix of it, the rest recomputed), recompute"),
     ("load", "loads"): ("kvcache:loads", "mode",
-                        "Loads by mode: sync (before the forward pass), async (the request waits, others run)"),
+                        "Loads by mode: sync (whole, before the forward pass), layered (layer by layer, "
+                        "during the forward pass), async (the request waits, others run)"),
     ("load", "seconds"): ("kvcache:load_seconds", "mode", "Measured wall time of loads"),
     ("load", "estimated_seconds"): ("kvcache:load_estimated_seconds", "mode",
                                     "The cost model's estimate of the loads it estimated"),
