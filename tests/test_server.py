@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 SESSION = "X-Amzn-SageMaker-Session-Id"
 LONG_PROMPT = "".join(chr(97 + (i * 7) % 26) for i in range(1500))  # 1,500 byte tokens
 WARM_PROMPT = "".join(chr(97 + (i * 11) % 26) for i in range(1200))  # KVCACHE_WARM_PROMPTS
+DRAIN_SECONDS = 12  # the module server's SERVING_DRAIN_SECONDS (the SIGTERM test)
 
 
 # -- without the server ---------------------------------------------------------------
@@ -259,9 +261,10 @@ def server(tmp_path_factory, model_path):
         "KVCACHE_SHARED_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
         "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
         # The SIGTERM test's client must ping and post inside the drain window even when
-        # this 2-core machine stalls it for seconds (seen: 5 s); its long requests ask for
-        # 16,000 tokens, far more than 12 s of decoding here (~100-200 tokens/s).
-        "SERVING_DRAIN_SECONDS": "12", "SM_VLLM_MAX_MODEL_LEN": "16384",
+        # this 2-core machine stalls it for seconds (seen: 5 s; once in CI over 12 s, which
+        # _while_draining tells apart from a server that stops early); its long requests ask
+        # for 16,000 tokens, far more than 12 s of decoding here (~100-200 tokens/s).
+        "SERVING_DRAIN_SECONDS": str(DRAIN_SECONDS), "SM_VLLM_MAX_MODEL_LEN": "16384",
         # The tiny test model computes a prompt about as fast as it loads, so the cost
         # model may rightly recompute; these tests are about what the tiers serve.
         "KVCACHE_LOAD_DECISION": "always",
@@ -823,11 +826,31 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
                              f"sent at {sent:.2f}\nserver log:\n{server.tail()}") from e
 
 
+def _while_draining(sent: float, request) -> httpx.Response | None:
+    """``request()``'s answer from the draining server, or None when this client only got
+    to it after the drain deadline: this machine can stall a process for more than the
+    12 s window (seen in CI: the server drained, cut and stopped listening on time, and
+    the client's ping and POST came after). A refused connection before the deadline is
+    the server's fault and fails the test. ``tests/test_guard.py`` checks the refusal
+    itself with no timing in it."""
+    try:
+        return request()
+    except httpx.ConnectError:
+        late = time.monotonic() - sent
+        if late < DRAIN_SECONDS:
+            raise
+        warnings.warn(f"the client reached the server {late:.1f} s after SIGTERM, past its "
+                      f"{DRAIN_SECONDS} s drain deadline: the 503-while-draining check was not made")
+        return None
+
+
 def _check_drain(server, result: dict, threads: list, sent: float, log_before: int) -> None:
     time.sleep(0.3)
-    assert httpx.get(server.url + "/ping", timeout=5).status_code == 503
-    refused = httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+    ping = _while_draining(sent, lambda: httpx.get(server.url + "/ping", timeout=5))
+    assert ping is None or ping.status_code == 503
+    refused = _while_draining(sent, lambda: httpx.post(server.url + "/invocations",
+                                                       json={"prompt": "late"}, timeout=5))
+    assert refused is None or (refused.status_code == 503 and refused.json()["error"]["code"] == 503)
     code = server.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent
     for t in threads:
