@@ -806,14 +806,18 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
         result["plain"] = (r.status_code, r.json())
 
     threads = [threading.Thread(target=stream, args=("short", {
-                   "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 20, "ignore_eos": True})),
+                   "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 50, "ignore_eos": True})),
                threading.Thread(target=stream, args=("long", {
                    "prompt": "cut this stream", "max_tokens": LONGEST, "ignore_eos": True})),
                threading.Thread(target=plain)]
     for t in threads:
         t.start()
-    while not ("short-first" in result and "long-first" in result):
-        assert all(t.is_alive() for t in threads[:2]) and server.proc.poll() is None, result
+    names = ("short", "long")
+    while not all(n + "-first" in result or n in result for n in names):
+        # a stream thread may only end with its result: a loaded machine can finish the
+        # short one before the long one's first token (then it does not drain; checked alike)
+        assert all(t.is_alive() or n in result for t, n in zip(threads, names)), result
+        assert server.proc.poll() is None, result
         time.sleep(0.05)
     log_before = len(server.log.read_text())
     sent = time.monotonic()
