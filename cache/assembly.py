@@ -53,7 +53,7 @@ def build_tiers(config: CacheConfig, namespace_id: str) -> list[Tier]:
             tiers.append(shared_tier(config, namespace_id))
         else:
             tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
-                                  use_mmap=spec.mapped))
+                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads))
     return tiers
 
 

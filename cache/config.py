@@ -60,7 +60,7 @@ SETTINGS = (
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_LOAD_DECISION",
-    "KVCACHE_LAYERED_LOADS",
+    "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -83,6 +83,7 @@ class TierSpec:
     synchronous: bool         # loaded into vLLM's blocks before the forward pass (a memory
                               # copy); other tiers load on I/O threads while requests run
     mapped: bool              # entries read by mapping the file (tmpfs pages: zero copy)
+    direct_reads: bool        # entries not in the page cache read with O_DIRECT (disk)
     last_local: bool          # the last local tier: its evictions are final, so its policy
                               # also judges admission
     shared: bool              # published to by rule, never evicted from by us
@@ -101,6 +102,9 @@ class CacheConfig:
     # disk (L2): a local folder. 0 bytes disables the tier.
     disk_path: str = DEFAULT_DISK_PATH
     disk_bytes: int = 0
+    # Entries not in the page cache are read from the disk tier with O_DIRECT
+    # (cache.tiers.direct): no readahead, no kernel copy. False: every read is buffered.
+    disk_direct_reads: bool = True
     # shared (L3): an fsspec URL (curvine://..., file:///mnt/curvine/...). Empty: no L3.
     shared_url: str = ""
     # Curvine client for curvine:// URLs: its configuration file (absolute), or the
@@ -146,11 +150,12 @@ class CacheConfig:
                  ("disk", "L2", self.disk_path, self.disk_bytes, False)]
         local = [t for t in local if t[3]]
         specs = [TierSpec(name, level, path, size, synchronous=memory, mapped=memory,
+                          direct_reads=not memory and self.disk_direct_reads,
                           last_local=i == len(local) - 1, shared=False)
                  for i, (name, level, path, size, memory) in enumerate(local)]
         if self.shared_url:
             specs.append(TierSpec("shared", "L3", self.shared_url, None, synchronous=False,
-                                  mapped=False, last_local=False, shared=True))
+                                  mapped=False, direct_reads=False, last_local=False, shared=True))
         return tuple(specs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -278,6 +283,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                                       reserved_ram_bytes, entry, notes)
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
     disk_bytes = _disk_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
+    disk_direct_reads = _bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
     conf, masters = _curvine_client(r, url)
     timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
@@ -294,7 +300,8 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
     return CacheConfig(chunk_tokens=chunk_tokens, dram_path=dram_path, dram_bytes=dram_bytes,
-                       disk_path=disk_path, disk_bytes=disk_bytes, shared_url=url, curvine_conf=conf,
+                       disk_path=disk_path, disk_bytes=disk_bytes, disk_direct_reads=disk_direct_reads,
+                       shared_url=url, curvine_conf=conf,
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
                        pin_max=pin_max, load_decision=load_decision, layered_loads=layered_loads,

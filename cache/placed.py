@@ -85,7 +85,7 @@ def read_placed(reader: Reader, namespace: bytes, key: str, place: Place, signin
     read = PartRead(namespace, key, place, signing_key, timer)
     info = read.open(reader)
     while not read.done:
-        read.read_part(reader)
+        read.read_part(reader, rest=True)
     return info
 
 
@@ -156,9 +156,14 @@ class PartRead:
         if reader.pread(HEADER_SIZE, 0) != self._head:
             raise CorruptEntry("entry replaced while it was being read")
 
-    def read_part(self, reader: Reader) -> None:
-        """Read the next part into its buffers and hash it; after the last, verify."""
+    def read_part(self, reader: Reader, rest: bool = False) -> None:
+        """Read the next part into its buffers and hash it; after the last, verify.
+        ``rest``: the caller reads every part left, one after the other (a whole read;
+        ``DirectReader`` reads those through the page cache)."""
         offset = HEADER_SIZE + self.next_part * self._part_bytes
+        expect = getattr(reader, "expect", None)
+        if expect is not None:
+            expect(offset, self._part_bytes, rest)
         for view in self.parts[self.next_part]:
             for start in range(0, len(view), PIECE_BYTES):
                 piece = view[start:start + PIECE_BYTES]

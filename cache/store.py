@@ -836,7 +836,7 @@ class EntryRead:
                 self.read.same_entry(reader)
             whole = whole or (staged is not None and staged.in_memory)  # read whole already: use it all
             while not self.read.done:
-                self.read.read_part(reader)
+                self.read.read_part(reader, rest=whole)
                 if not whole:
                     break
         finally:

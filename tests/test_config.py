@@ -114,6 +114,10 @@ def test_tier_roles_come_from_the_configuration(tmp_path):
         ("dram", "L1", True, False, False), ("disk", "L2", False, True, False), ("shared", "L3", False, False, True)]
     disk_only = build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="0"))
     assert [(t.name, t.synchronous, t.last_local) for t in disk_only.tiers()] == [("disk", False, True)]
+    # Direct reads: the disk tier only (DRAM is tmpfs; the shared tier reads over its transport).
+    assert [t.direct_reads for t in both.tiers()] == [False, True, False]
+    buffered = build_cache_config(env(tmp_path, KVCACHE_DISK_DIRECT_READS="false"))
+    assert [t.direct_reads for t in buffered.tiers()] == [False, False]
 
 
 # -- names: one vocabulary, old names accepted --------------------------------------------

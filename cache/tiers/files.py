@@ -33,8 +33,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from cache.placed import FdReader
 from cache.tiers.base import Buffer, Tier
+from cache.tiers.direct import DirectReader, DirectReads
 from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
                                 this_host)
 
@@ -49,12 +49,14 @@ class FileTier(Tier):
         capacity: int,
         name: str = "disk",
         use_mmap: bool = False,
+        direct_reads: bool = False,
     ) -> None:
         self.name = name
         self.capacity = capacity
         self.root = root
         self.folder = os.path.join(root, namespace)
         self.use_mmap = use_mmap
+        self.direct = DirectReads(direct_reads, name)  # cold entries read past the page cache
         os.makedirs(self.folder, exist_ok=True)
         self._claims: dict[str, tuple[str, int]] = {}  # key -> its claim's temporary file, open fd
         self._lock_path = os.path.join(root, LOCK_FILE)
@@ -159,12 +161,18 @@ class FileTier(Tier):
     reads_in_place = True
 
     def read_with(self, key: str, use):
+        path = self.path(key)
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(key) from None
         try:
-            return use(FdReader(fd))
+            reader = self.direct.reader(fd, path)
+            try:
+                return use(reader)
+            finally:
+                if isinstance(reader, DirectReader):
+                    reader.close()
         finally:
             os.close(fd)
 
