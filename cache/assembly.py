@@ -45,25 +45,29 @@ def validate(config: CacheConfig) -> None:
         open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
 
 
-def build_tiers(config: CacheConfig, namespace_id: str) -> list[Tier]:
-    """The tiers ``config.tiers()`` names, in its order (fastest first, shared last)."""
+def build_tiers(config: CacheConfig, namespace_id: str,
+                thread_setup: Optional[Callable[[str], None]] = None) -> list[Tier]:
+    """The tiers ``config.tiers()`` names, in its order (fastest first, shared last);
+    ``thread_setup(role)`` runs first on the threads of a tier that has its own."""
     tiers: list[Tier] = []
     for spec in config.tiers():
         if spec.shared:
-            tiers.append(shared_tier(config, namespace_id))
+            tiers.append(shared_tier(config, namespace_id, thread_setup))
         else:
             tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
                                   use_mmap=spec.mapped, direct_reads=spec.direct_reads))
     return tiers
 
 
-def shared_tier(config: CacheConfig, namespace_id: str) -> SharedTier:
+def shared_tier(config: CacheConfig, namespace_id: str,
+                thread_setup: Optional[Callable[[str], None]] = None) -> SharedTier:
     """The shared tier ``config.shared_url`` names. Raises ``ConfigError`` for a URL whose
     filesystem is missing or unknown; never touches the network."""
     transport = open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
     pacer = Pacer(config.shared_bandwidth) if config.shared_bandwidth > 0 else None
     return SharedTier(transport.opener, transport.root, namespace_id,
-                      timeout_s=config.shared_timeout_ms / 1000, label=config.shared_url, pacer=pacer)
+                      timeout_s=config.shared_timeout_ms / 1000, label=config.shared_url, pacer=pacer,
+                      thread_setup=thread_setup)
 
 
 def lookup_view(config: CacheConfig, namespace: Namespace) -> TieredStore:
@@ -79,7 +83,7 @@ def writer_store(config: CacheConfig, namespace: Namespace, *,
     are final, so its policy also judges admission."""
     specs = config.tiers()
     policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
-    store = TieredStore(build_tiers(config, namespace.id), namespace.digest, policies,
+    store = TieredStore(build_tiers(config, namespace.id, thread_setup), namespace.digest, policies,
                         signing_key=config.signing_key.encode(), io_threads=config.io_threads,
                         shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer)
     store.pins = pin_book(config, namespace.id)

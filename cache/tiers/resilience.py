@@ -108,11 +108,14 @@ class Breaker:
 
 
 class DaemonPool:
-    """A fixed set of daemon threads: a call stuck in the network never holds up exit."""
+    """A fixed set of daemon threads: a call stuck in the network never holds up exit.
+    ``setup()``, if given, runs first on each thread (``cache.threads``: off the compute
+    cores of the process that builds the pool)."""
 
-    def __init__(self, n: int, name: str) -> None:
+    def __init__(self, n: int, name: str, setup: Optional[Callable[[], None]] = None) -> None:
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closed = False
+        self._setup = setup
         for i in range(n):
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
         self._n = n
@@ -126,6 +129,8 @@ class DaemonPool:
         return fut
 
     def _run(self) -> None:
+        if self._setup is not None:
+            self._setup()
         while True:
             item = self._q.get()
             if item is None:
@@ -172,12 +177,12 @@ class Guard:
 
     def __init__(self, name: str, label: str, *, timeout_s: float, io_threads: int,
                  failure_threshold: int, backoff_s: float, max_backoff_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], setup: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.health = Health()
         self.breaker = Breaker(label, self.health, clock, failure_threshold, backoff_s, max_backoff_s)
-        self._pool = DaemonPool(io_threads, f"kvcache-{name}")
+        self._pool = DaemonPool(io_threads, f"kvcache-{name}", setup)
 
     def submit(self, fn, *args) -> Future:
         """Start ``fn(*args)`` on a tier thread; ``SharedUnavailable`` while the tier is down."""

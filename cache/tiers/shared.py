@@ -73,10 +73,14 @@ class SharedTier(Tier):
         clock: Callable[[], float] = time.monotonic,
         label: Optional[str] = None,
         pacer: Optional[Pacer] = None,
+        thread_setup: Optional[Callable[[str], None]] = None,
     ) -> None:
         """``opener`` returns the filesystem (fsspec's or Curvine's); it is called
         lazily, on an I/O thread, so an unreachable cluster never stalls start-up.
-        ``pacer``, if given, holds entry reads and writes to its byte rate."""
+        ``pacer``, if given, holds entry reads and writes to its byte rate.
+        ``thread_setup(role)`` runs first on each of the tier's threads (role "shared"):
+        in a vLLM CPU worker it moves them off the compute cores, which they would
+        otherwise inherit from the thread that builds the tier."""
         self.name = name
         self.root = root.rstrip("/")
         self.folder = f"{self.root}/{namespace}"
@@ -86,12 +90,13 @@ class SharedTier(Tier):
         self._ops: Optional[FsOps] = None
         self._open_lock = threading.Lock()
         self._clock = clock
+        self._setup = (lambda: thread_setup("shared")) if thread_setup is not None else None
         self._guard = Guard(name, label or self.root, timeout_s=timeout_s, io_threads=io_threads,
                             failure_threshold=failure_threshold, backoff_s=backoff_s,
-                            max_backoff_s=max_backoff_s, clock=clock)
+                            max_backoff_s=max_backoff_s, clock=clock, setup=self._setup)
         self.health = self._guard.health
         self._breaker = self._guard.breaker
-        self._prober = DaemonPool(1, f"kvcache-{name}-probe")
+        self._prober = DaemonPool(1, f"kvcache-{name}-probe", self._setup)
         self._lock = threading.Lock()
         self._known: set[str] = set()
         self._absent: OrderedDict[str, float] = OrderedDict()  # key -> ask again after
@@ -365,6 +370,8 @@ class SharedTier(Tier):
                     self._refresher.start()
 
     def _refresh_loop(self) -> None:
+        if self._setup is not None:
+            self._setup()
         delay = 0.0
         while not self._stop.wait(delay):
             delay = self.refresh_s
