@@ -36,7 +36,8 @@ def spare_cpus() -> frozenset[int]:
 
 def thread_setup(cpus: frozenset[int]) -> Callable[[str], None]:
     """A function each background thread calls first with its role ("read", "write",
-    "publish", "load", "shared": the shared tier's own): moves it onto ``cpus`` (if any) and lowers writers' priority."""
+    "publish", "load", or "shared": the shared tier's own threads): moves it onto
+    ``cpus`` (if any) and lowers writers' priority."""
 
     def setup(role: str) -> None:
         try:
