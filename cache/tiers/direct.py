@@ -35,7 +35,8 @@ import logging
 import mmap
 import os
 import threading
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from cache.placed import FdReader, copy_into
 
@@ -113,10 +114,19 @@ class DirectReads:
             log.warning("kvcache: the %s tier's filesystem refuses direct reads (%s); reading through "
                         "the page cache", self.label, e)
 
-    def reader(self, fd: int, path: str) -> FdReader:
-        """The reader for the entry open at ``fd`` (``path``): direct when enabled and the
-        entry is not wholly in the page cache, else buffered. The caller closes ``fd``;
-        a ``DirectReader`` closes its own descriptor (``close``)."""
+    @contextmanager
+    def reader(self, fd: int, path: str) -> Iterator[FdReader]:
+        """The reader for the entry open at ``fd`` (``path``), for the ``with`` block: direct
+        when enabled and the entry is not wholly in the page cache, else buffered. The
+        caller closes ``fd``; the direct reader's own descriptor is closed on leaving."""
+        reader = self._reader(fd, path)
+        try:
+            yield reader
+        finally:
+            if isinstance(reader, DirectReader):
+                reader.close()
+
+    def _reader(self, fd: int, path: str) -> FdReader:
         if not self.enabled:
             return FdReader(fd)
         st = os.fstat(fd)

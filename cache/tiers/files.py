@@ -34,7 +34,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from cache.tiers.base import Buffer, Tier
-from cache.tiers.direct import DirectReader, DirectReads
+from cache.tiers.direct import DirectReads
 from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
                                 this_host)
 
@@ -167,12 +167,8 @@ class FileTier(Tier):
         except FileNotFoundError:
             raise KeyError(key) from None
         try:
-            reader = self.direct.reader(fd, path)
-            try:
+            with self.direct.reader(fd, path) as reader:
                 return use(reader)
-            finally:
-                if isinstance(reader, DirectReader):
-                    reader.close()
         finally:
             os.close(fd)
 
