@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 # A load goes layer by layer only when the forward pass beside it computes at least this
 # many of the request's tokens: with less (a full hit computes one) there is nothing to
 # overlap, and whole loads are faster (measured here on full hits at 4K/8K tokens,
-# layer-wise against whole: disk 116/147 vs 76/125 ms, DRAM 47/77 vs 46/63 ms).
+# layer-wise against whole: disk 116/147 vs 76/125 ms, DRAM 47/77 vs 46/63 ms; DRAM again
+# after the direct disk reads, two alternated rounds: 41,44/70,69 vs 37,41/62,71 ms: the
+# load, which has both cores when whole, shares them with the forward pass's layers).
 MIN_COMPUTE_TOKENS = 64
 
 # How long the forward thread sleeps at most between looks at a load it waits for (it
