@@ -170,40 +170,42 @@ def verified_copy_bounds(nbytes: int, n_files: int, folder: str, repeats: int) -
     each entry copied into a destination a piece at a time, each piece hashed right after
     (XXH3-128, as ``cache.placed`` does), on one and on two threads. Sources: anonymous
     memory (the bound for any copy out of host memory) and ``n_files`` tmpfs files under
-    ``folder`` read with ``preadv`` (the DRAM tier's path). Next to the 1-token floor,
+    ``folder`` read with ``preadv`` from byte 0 (the DRAM tier's path, less its header's
+    256 bytes, which put an entry's reads off the page grid). Next to the 1-token floor,
     which counts a plain copy only, at the best of numpy's and torch's bandwidth."""
     import threading
 
     import numpy as np
     import xxhash
 
-    from cache.placed import PIECE_BYTES
+    from cache.placed import PIECE_BYTES, copy_into
 
     size = nbytes // n_files
     rng = np.random.default_rng(1)
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n_files)]
-    dest = np.ones(size * n_files, np.uint8)
     os.makedirs(folder, exist_ok=True)
     paths = [os.path.join(folder, f"bound-{i}") for i in range(n_files)]
     for path, src in zip(paths, sources):
         with open(path, "wb") as f:
             f.write(src.tobytes())
 
-    def from_memory(i: int) -> None:
+    view = memoryview(np.ones(size * n_files, np.uint8))  # where the entries go
+
+    def copy_and_hash(i: int, fill) -> None:
+        """Entry ``i`` into its place in ``view``: ``fill(piece, offset)``, then the hash."""
         h, base = xxhash.xxh3_128(), i * size
         for off in range(0, size, PIECE_BYTES):
-            piece = dest[base + off:base + off + PIECE_BYTES]
-            np.copyto(piece, sources[i][off:off + PIECE_BYTES])
+            piece = view[base + off:base + off + PIECE_BYTES]
+            fill(piece, off)
             h.update(piece)
 
+    def from_memory(i: int) -> None:
+        copy_and_hash(i, lambda piece, off: copy_into(piece, sources[i][off:off + len(piece)]))
+
     def from_tmpfs(i: int) -> None:
-        h, base, view = xxhash.xxh3_128(), i * size, memoryview(dest)
         fd = os.open(paths[i], os.O_RDONLY)
         try:
-            for off in range(0, size, PIECE_BYTES):
-                piece = view[base + off:base + off + PIECE_BYTES]
-                os.preadv(fd, [piece], off)
-                h.update(piece)
+            copy_and_hash(i, lambda piece, off: os.preadv(fd, [piece], off))
         finally:
             os.close(fd)
 
