@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
@@ -230,7 +231,15 @@ def _engine_cpu_kv_gib(env: Mapping[str, str], machine: Machine) -> Optional[int
 
 
 def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Optional[int],
-                        weights: Optional[int]) -> Optional[int]:
+                        weights: Optional[int], footprint) -> Optional[int]:
+    """vLLM's own KV pool (L0) in bytes, as the plan shows it. ``--num-gpu-blocks-override``
+    (``SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE``) fixes the engine's block count on either platform,
+    whatever memory it was given: then it is that many blocks of ``--block-size`` tokens."""
+    blocks = args.get("--num-gpu-blocks-override", "")
+    if blocks.isdigit():
+        if footprint is None:
+            return None
+        return int(blocks) * _engine_block_size(machine, args, footprint) * footprint.bytes_per_token
     if cpu_kv_gib is not None:
         return cpu_kv_gib * GiB
     try:
@@ -239,6 +248,37 @@ def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Opti
         return None
     total = sum(g.total_bytes for g in machine.gpus)
     return max(0, int(total * util) - (weights or 0)) if weights is not None else None
+
+
+def _engine_block_size(machine: Machine, args: dict[str, str], footprint) -> int:
+    """The tokens per KV block vLLM 0.32 picks: ``--block-size``, else 16 on GPUs and 128
+    on the CPU build (16 for MLA models there: ``vllm/platforms/cpu.py``)."""
+    given = args.get("--block-size", "")
+    if given.isdigit():
+        return int(given)
+    if machine.has_gpu or getattr(footprint, "attention", "") == "mla":
+        return 16
+    return 128
+
+
+def _reserved_cpus(env: Mapping[str, str], machine: Machine, args: dict[str, str],
+                   kvcache: bool) -> Optional[int]:
+    """The CPU build's cores kept off the model (``VLLM_CPU_NUM_OF_RESERVED_CPU``), chosen
+    here rather than left to vLLM: it reserves one core per rank for its engine-core and
+    API processes, and one *more* per rank whenever any KV connector is configured (meant
+    for NIXL's transfer thread). With the tiered cache on, the server asks for what vLLM
+    reserves without a connector, so turning the cache on never takes a compute core (on
+    2 cores it would leave the model none to bind apart: a different layout). The cache's
+    I/O threads run on the reserved cores (``cache.threads``), writers niced. ``None``:
+    leave it to vLLM (GPU machines, the cache off, or the operator set it)."""
+    if machine.has_gpu or not kvcache or "VLLM_CPU_NUM_OF_RESERVED_CPU" in env:
+        return None
+    world = 1
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        value = args.get(flag, "1")
+        world *= int(value) if value.isdigit() and int(value) > 0 else 1
+    # vLLM reserves one per local rank on x86, Arm and RISC-V, one in all elsewhere
+    return world if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64", "riscv64") else 1
 
 
 # -- the one builder ---------------------------------------------------------------
@@ -294,7 +334,9 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     if kvcache:
         plan = plan_tiers(env, machine, footprint, weights_bytes=weights,
                           engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
-                          engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights),
+                          engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights, footprint),
+                          engine_kv_blocks=user.get("--num-gpu-blocks-override"),
+                          reserved_cpus=_reserved_cpus(env, machine, {**args, **user}, kvcache),
                           context_tokens=context)
         args["--kv-transfer-config"] = json.dumps(kv_transfer_config(plan.cache))
     warm = warm_prompts(env, plan.cache if plan is not None else None)
@@ -306,6 +348,9 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     engine_env = []
     if cpu_kv_gib is not None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         engine_env.append(("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib)))
+    reserved = _reserved_cpus(env, machine, {**args, **user}, kvcache)
+    if reserved is not None:
+        engine_env.append(("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved)))
     engine_env += port_range_env(env)
     engine = EngineSettings(
         vllm_args=render(args),

@@ -87,6 +87,8 @@ def plan_tiers(
     weights_bytes: Optional[int] = None,
     engine_cpu_kv_bytes: int = 0,
     engine_kv_bytes: Optional[int] = None,
+    engine_kv_blocks: Optional[str] = None,
+    reserved_cpus: Optional[int] = None,
     context_tokens: Optional[int] = None,
 ) -> TierPlan:
     """Resolve the cache configuration once. Raises ``cache.config.ConfigError``."""
@@ -98,7 +100,18 @@ def plan_tiers(
         log.warning("kvcache: %s", note)
     where = (f"GPU HBM ({len(machine.gpus)} x {human_bytes(machine.gpus[0].total_bytes)})"
              if machine.has_gpu else "CPU (VLLM_CPU_KVCACHE_SPACE)")
+    if engine_kv_blocks:
+        where = f"{where.split(' (')[0]}, {engine_kv_blocks} blocks (override)"
     notes = cache.notes
+    if reserved_cpus is not None:
+        compute = max(0, machine.cpus - reserved_cpus)
+        notes += (f"CPU binding: VLLM_CPU_NUM_OF_RESERVED_CPU={reserved_cpus}, as vLLM reserves "
+                  "without a KV connector (it would add one per rank for any connector): "
+                  + (f"the model computes on {compute} of {machine.cpus} cores; the engine-core, "
+                     "the API and the cache's I/O threads share the other "
+                     f"{reserved_cpus}" if compute else
+                     f"{machine.cpus} cores leave none to reserve; vLLM binds the model to all "
+                     "of them and the cache's I/O threads share them"),)
     if footprint is not None and footprint.state_layers:  # cache.vllm.groups decides at start-up
         notes += ("Mamba / linear-attention layers: the tiered cache turns itself off for this "
                   "model (vLLM serves it without; see the connector's start-up line)",)

@@ -221,8 +221,37 @@ def test_engine_cpu_kv_pool_default_only_without_gpu(env):
     assert dict(cpu.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"   # 64 GiB // 16
     small = build_serving_config(env, Machine(ram_bytes=8 * GiB, cpus=2))
     assert dict(small.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert build_serving_config({**env, "VLLM_CPU_KVCACHE_SPACE": "3"}, CPU_BOX).engine.env == ()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in dict(
+        build_serving_config({**env, "VLLM_CPU_KVCACHE_SPACE": "3"}, CPU_BOX).engine.env)
     assert build_serving_config(env, GPU_BOX).engine.env == ()
+
+
+def test_the_cpu_binding_is_chosen_not_left_to_the_connector(env):
+    """On the CPU build vLLM reserves one more core per rank whenever a KV connector is
+    configured; the server asks for what it reserves without one, so the cache on or
+    off binds the model the same way, and the plan says so."""
+    on = build_serving_config(env, Machine(ram_bytes=16 * GiB, cpus=2))
+    assert dict(on.engine.env)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert "the model computes on 1 of 2 cores" in on.describe()
+    tp2 = build_serving_config({**env, "SM_VLLM_TENSOR_PARALLEL_SIZE": "2"}, CPU_BOX)
+    assert dict(tp2.engine.env)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "2"
+    off = build_serving_config({**env, "KVCACHE_ENABLED": "false"}, CPU_BOX)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in dict(off.engine.env)  # vLLM's own choice
+    mine = build_serving_config({**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}, CPU_BOX)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in dict(mine.engine.env)  # the operator's, as set
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in dict(build_serving_config(env, GPU_BOX).engine.env)
+
+
+@pytest.mark.parametrize("box, block", [(CPU_BOX, 128), (GPU_BOX, 16)])
+def test_the_plan_shows_l0_as_the_block_override_holds_it(env, box, block):
+    """``SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE`` fixes vLLM's block count whatever memory it
+    was given: L0 is that many blocks of the platform's default block size."""
+    cfg = build_serving_config({**env, "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": "256"}, box)
+    assert cfg.plan.engine_kv_bytes == 256 * block * KV_8B
+    assert f"~{256 * block:,} tokens" in cfg.describe() and "256 blocks (override)" in cfg.describe()
+    sized = build_serving_config({**env, "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": "256",
+                                  "SM_VLLM_BLOCK_SIZE": "32"}, box)
+    assert sized.plan.engine_kv_bytes == 256 * 32 * KV_8B
 
 
 # -- tier sizing -----------------------------------------------------------------
