@@ -11,7 +11,11 @@ Runs in the container's main process (PID 1 after ``exec``). Order of events:
    ``SERVING_DRAIN_SECONDS``); those still running then answer 503 (a stream ends with
    an error event); vLLM shuts down, its workers flushing the cache's write-behind, and
    the process exits 0, inside SageMaker's 30 s.
-If the engine cannot start, the process exits 1.
+If the engine cannot start, the process exits 1. If the engine dies while serving (its
+engine-core process exits or fails), the server stops taking requests (503), answers
+the requests in flight with the JSON 503 (a stream ends with a 503 error event), shuts
+down and exits 1 within seconds, so that SageMaker or Kubernetes replaces it: a server
+never stays up answering ``503 engine dead``.
 
     python -m serving                 # serve
     python -m serving --print-config  # show the configuration and tier plan, then exit
@@ -44,13 +48,16 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, with SageMaker's shutdown: the first SIGTERM/SIGINT drains, a second one
     stops at once. At the drain deadline the requests still running are cut (each
     answers the JSON 503, a stream ends with an error event), then the server stops
-    and vLLM shuts down with nothing in flight. Also stops when the engine failed to start."""
+    and vLLM shuts down with nothing in flight. Also stops when the engine failed to start,
+    and when it died (``engine_died``: requests in flight are cut at once, nothing can
+    finish them)."""
 
     def __init__(self, config: uvicorn.Config, gate: Gate, engine: Engine, drain_s: float) -> None:
         super().__init__(config)
         self.gate, self.engine, self.drain_s = gate, engine, drain_s
         self.deadline = 0.0
         self.signal: int | None = None  # set by the first SIGTERM/SIGINT, logged by on_tick
+        self.engine_died = False
 
     def handle_exit(self, sig, frame) -> None:
         """Runs as a Python signal handler, between two bytecodes of the main thread:
@@ -72,12 +79,15 @@ class DrainingServer(uvicorn.Server):
             self.signal = None
         if not self.should_exit:
             now = time.monotonic()
+            if not self.engine_died and self.engine.dead:
+                self._engine_died(now)
             if self.gate.draining and self.gate.in_flight == 0:
                 self._stop("drained: no request in flight")
             elif self.gate.draining and now >= self.deadline:
                 if not self.gate.cut.is_set():
-                    log.warning("drain deadline passed: cutting %d request(s) still in flight "
-                                "(each answers 503)", self.gate.in_flight)
+                    log.warning("%s: cutting %d request(s) still in flight (each answers 503)",
+                                "the engine died" if self.engine_died else "drain deadline passed",
+                                self.gate.in_flight)
                     self.gate.cut_all()
                 elif now >= self.deadline + CUT_GRACE_S:
                     self._stop(f"{self.gate.in_flight} cut request(s) still open after "
@@ -85,6 +95,13 @@ class DrainingServer(uvicorn.Server):
             elif self.engine.state is State.FAILED:
                 self._stop(f"the engine failed: {self.engine.error}")
         return await super().on_tick(counter)
+
+    def _engine_died(self, now: float) -> None:
+        """The engine died while serving: drain with no grace (on_tick, event loop)."""
+        log.error("the engine died (see vLLM's log above): answering %d request(s) in flight "
+                  "with 503, then exiting 1 so that the server is replaced", self.gate.in_flight)
+        self.engine_died = self.gate.engine_died = self.gate.draining = True
+        self.deadline = min(self.deadline, now) if self.deadline else now
 
     def _stop(self, why: str) -> None:
         """Stop listening and shut down (on_tick, event loop); the log says why."""
@@ -121,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     if engine.state is State.FAILED:
         print(f"engine failed: {engine.error}", file=sys.stderr)
+        return 1
+    if server.engine_died:
+        print("engine died while serving: exiting 1", file=sys.stderr)
         return 1
     return 0
 

@@ -12,6 +12,10 @@ server's one error shape):
   ``{"kvcache_pin_ttl": SECONDS | "5m" | "1h"}``, optionally with ``"kvcache_pin_tokens": N``
   (the first N prompt tokens; default the whole prompt).
 
+``check_transfer_params`` checks everything else a request hands the engine beside its
+prompt: ``kv_transfer_params`` holds only the cache's keys, with values of their types
+(``cache.request_params``: ``kvcache_load``/``kvcache_save`` are JSON booleans).
+
 A chat message before the last is turned into a token count by rendering the messages up
 to it with vLLM's own chat template (``render_chat_request``, no generation prompt). The
 answer's ``kv_transfer_params["kvcache_pin"]`` says whether the pin was taken and, if
@@ -24,10 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from cache.pins import TTL_NAMES, PinError, pin_ask
+from cache.pins import TTL_NAMES, pin_ask
+from cache.request_params import ParamsError, check_params
 from serving.errors import ClientError
 
 CACHE_CONTROL = "cache_control"
+RESERVED_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
 
 
 @dataclass(frozen=True)
@@ -83,14 +89,28 @@ def take_cache_control(body: dict) -> Optional[ChatPin]:
     return ChatPin(marked, max(ttls), marked == len(messages) - 1)
 
 
-def check_pin_params(params: Optional[dict], chat_pin: Optional[ChatPin]) -> None:
-    """``kv_transfer_params``' pin fields: a 400 for a bad value, or for a chat request
-    that asks both ways."""
+def check_transfer_params(req, chat_pin: Optional[ChatPin]) -> None:
+    """What a request hands the engine beside its prompt, checked before vLLM sees it
+    (``ClientError``, 400, naming the field): its ``kv_transfer_params`` (``check_kv_params``);
+    no ``ec_transfer_params`` (this server has no encoder-cache connector); and
+    ``vllm_xargs`` may carry neither (vLLM copies it into the same place)."""
+    check_kv_params(req.kv_transfer_params, chat_pin)
+    if getattr(req, "ec_transfer_params", None) is not None:
+        raise ClientError("ec_transfer_params: this server has no encoder-cache connector")
+    reserved = sorted(set(getattr(req, "vllm_xargs", None) or {}) & RESERVED_XARGS)
+    if reserved:
+        raise ClientError(f"vllm_xargs: {', '.join(reserved)} may not be set here (send "
+                          "kv_transfer_params itself)")
+
+
+def check_kv_params(params: Optional[dict], chat_pin: Optional[ChatPin]) -> None:
+    """``kv_transfer_params``: a flat map of the keys the cache reads, each of its type
+    (``cache.request_params``), and a chat request pins one way, not both."""
     try:
-        ask = pin_ask(params)
-    except PinError as e:
+        check_params(params)
+    except ParamsError as e:
         raise ClientError(f"kv_transfer_params: {e}") from None
-    if ask is not None and chat_pin is not None:
+    if chat_pin is not None and pin_ask(params) is not None:
         raise ClientError("pin either with a message's cache_control or with kv_transfer_params' "
                           "kvcache_pin_ttl, not both")
 

@@ -13,8 +13,8 @@ outcome for the metrics. With ``KVCACHE_WARM_PROMPTS``, the warm-up
 (``serving.warmup``, an engine of its own in a child process) runs to its end first,
 so two engines never share the memory.
 
-``healthy`` reads two flags (ours and vLLM's ``errored``): no engine call, so it is
-safe on the ``/ping`` path while the engine is busy.
+``healthy`` and ``dead`` read two flags (ours and vLLM's ``errored``): no engine call,
+so they are safe on the ``/ping`` path while the engine is busy.
 """
 
 from __future__ import annotations
@@ -111,6 +111,17 @@ class Engine:
             return not self.client.errored
         except Exception:
             return False
+
+    @property
+    def dead(self) -> bool:
+        """The engine was serving and died (its engine-core process exited or failed:
+        vLLM's ``errored``). Flags only; the server then exits (``serving.__main__``)."""
+        if self.state is not State.READY or self.client is None:
+            return False
+        try:
+            return bool(self.client.errored)
+        except Exception:
+            return True
 
     # -- start-up --------------------------------------------------------------------
     async def start(self) -> None:

@@ -2,18 +2,15 @@
 
 An ASGI middleware in front of the model routes (``POST /invocations`` and the
 ``/v1/...`` routes). Runs on the server's event loop; the only work it does per
-request is reading the body (bounded by the payload limit) and one linear scan of it,
-a few milliseconds for the largest body SageMaker accepts. In order:
+request is reading the body (bounded by the payload limit), parsing it and one walk of
+what was parsed, tens of milliseconds for the largest body SageMaker accepts. In order:
 
-1. draining after SIGTERM: 503;
+1. draining after SIGTERM, or after the engine died: 503;
 2. a ``Content-Type`` that is not JSON (``application/json`` or ``*/*+json``): 415;
 3. a body over the payload limit (``SAGEMAKER_MAX_PAYLOAD_IN_MB``): 413, read no further;
-4. before any JSON parser sees it, the body's nesting depth (at most ``MAX_JSON_DEPTH``)
-   and the length of its numbers (at most ``MAX_NUMBER_DIGITS`` digits): 400. Python's
-   parser would otherwise die with a ``RecursionError`` on deep nesting or refuse a
-   huge integer with a ``ValueError``, both outside any handler;
-5. the body must be JSON text of one object (400 otherwise); it is handed on, replayed
-   to the route as it was received.
+4. the body must be UTF-8 JSON text of one object, bounded in nesting, numbers and
+   strings (``serving.body``: parsed, then bounded; 400 otherwise); it is handed on,
+   replayed to the route as it was received.
 
 It also keeps the invocation metrics: every answer, whatever its status (500s
 included), is counted in ``sagemaker_invocations_total{shape,status}`` (the route
@@ -25,23 +22,21 @@ JSON 500 here, logged with its traceback, so no client ever sees a plain-text er
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 from typing import Callable, Iterable, Optional
 
-import numpy as np
-
+from serving.body import BodyError, parse_body
 from serving.errors import error_response
 from serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_DEPTH = 64          # nesting of arrays and objects; OpenAI bodies need < 20
-MAX_NUMBER_DIGITS = 64       # digits in one JSON number (a 64-bit seed has 20)
 OFF_LOOP_BYTES = 256 * 1024  # larger bodies are checked in a thread
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
-_LONG_NUMBER = re.compile(rb"[0-9]{%d}" % (MAX_NUMBER_DIGITS + 1))
+
+
+SHUTTING_DOWN = "the server is shutting down"
+ENGINE_DIED = ("the engine died: this server process exits so that it is replaced; retry "
+               "the request")
 
 
 class Gate:
@@ -51,26 +46,16 @@ class Gate:
     def __init__(self) -> None:
         self.in_flight = 0
         self.draining = False
+        self.engine_died = False    # draining because the engine died (not a SIGTERM)
         self.cut = asyncio.Event()  # set at the drain deadline: requests still running end with 503
 
     def cut_all(self) -> None:
         self.cut.set()
 
-
-def json_bounds_problem(body: bytes) -> Optional[str]:
-    """Why ``body`` may not be parsed (nesting or a number too large), else None.
-    Strings are blanked first, so brackets and digits inside them do not count."""
-    skeleton = _STRING.sub(b'""', body)
-    if _LONG_NUMBER.search(skeleton):
-        return f"a number in the body has more than {MAX_NUMBER_DIGITS} digits"
-    chars = np.frombuffer(skeleton, dtype=np.uint8)
-    step = np.zeros(256, dtype=np.int8)
-    step[[ord("["), ord("{")]] = 1
-    step[[ord("]"), ord("}")]] = -1
-    moves = step[chars]
-    if moves.any() and int(np.cumsum(moves, dtype=np.int64).max()) > MAX_JSON_DEPTH:
-        return f"the body nests arrays and objects more than {MAX_JSON_DEPTH} deep"
-    return None
+    @property
+    def refusal(self) -> str:
+        """What a request is told while the server drains."""
+        return ENGINE_DIED if self.engine_died else SHUTTING_DOWN
 
 
 def is_json(content_type: str) -> bool:
@@ -121,7 +106,7 @@ class RequestGuard:
     async def _admit(self, scope, receive):
         """``(refusal, None)`` or ``(None, body)``."""
         if self.gate.draining:
-            return error_response(503, "the server is shutting down"), None
+            return error_response(503, self.gate.refusal), None
         headers = _headers(scope["headers"])
         ctype = headers.get("content-type", "")
         if not is_json(ctype):
@@ -153,17 +138,10 @@ class RequestGuard:
 
 def _check(body: bytes):
     """``(None, payload)`` for a body the routes may parse, else ``(refusal, None)``."""
-    problem = json_bounds_problem(body)
-    if problem:
-        return error_response(400, f"malformed JSON: {problem}"), None
     try:
-        payload = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 text
-        return error_response(400, f"malformed JSON: {e}"), None
-    if not isinstance(payload, dict):
-        return error_response(400, "the request body must be a JSON object, not "
-                              f"{type(payload).__name__}"), None
-    return None, payload
+        return None, parse_body(body)
+    except BodyError as e:
+        return error_response(400, str(e)), None
 
 
 CLIENT_LEFT = 499  # nginx's "client closed request": nothing was sent back

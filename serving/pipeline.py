@@ -8,15 +8,20 @@ and the ``/v1/...`` routes alike:
    ``CompletionRequest``; a TGI body is translated to a completion first; a pooling
    body to vLLM's pooling models). Anything raised here is the request's fault (400,
    ``serving.errors``); then our own rules: chat roles OpenAI knows, ``n`` at most
-   ``SERVING_MAX_N``, a pin asked for by ``cache_control`` or ``kv_transfer_params``
-   (``serving.cache_control``; a message's ``cache_control`` is taken out first);
+   ``SERVING_MAX_N``, ``kv_transfer_params`` a flat map of the cache's keys and a pin
+   asked for by ``cache_control`` or by them (``serving.cache_control``; a message's
+   ``cache_control`` is taken out first);
 3. vLLM's serving layer runs it. A non-streamed request is awaited while watching for
    the client leaving (vLLM aborts it), ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (504) and the
    drain deadline (503). A non-streamed answer carries the opt-in ``X-Kvcache-Explain``
    header (``serving.explain``). A streamed request is validated before its 200: its first
    event is awaited first, and an error there is answered as a JSON error with its
    status instead of a 200 whose stream holds the error. A stream still running at the
-   drain deadline ends with an error event (503) after the tokens already sent.
+   drain deadline ends with an error event (503) after the tokens already sent; an error
+   event always ends a stream (``[DONE]`` follows, nothing else).
+4. a 5xx from vLLM is answered otherwise where the cause is known (``instead_of_5xx``):
+   503 when the engine died or the server drains, 400 when a request decoded under a
+   grammar failed in generation (the grammar left no token to produce).
 
 Nothing here blocks: JSON translation only, the engine is awaited.
 """
@@ -26,14 +31,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving.cache_control import apply_chat_pin, check_pin_params, take_cache_control
-from serving.errors import ClientError, error_body, error_response, response_for
+from serving.cache_control import apply_chat_pin, check_transfer_params, take_cache_control
+from serving.errors import ClientError, classify, error_body, error_response, response_for
 from serving.explain import explain_headers
+from serving.guard import ENGINE_DIED, SHUTTING_DOWN
 from serving.tgi import TgiRequest, TgiStream, completion_to_tgi, parse_tgi, sse, tgi_to_completion
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,11 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "fun
 GENERATE_SHAPES = ("chat", "completion", "tgi")
 # vLLM's pooling endpoints (``vllm.entrypoints.pooling``), by the name of the function
 # that serves them; /invocations tries them in vLLM's order for a body of no other shape.
+DONE = "data: [DONE]\n\n"
+GRAMMAR_FAILED = ("generation failed under the request's structured-output constraint "
+                  "(structured_outputs, response_format or tool_choice): its grammar left no "
+                  "token the model may produce next, or did not compile (a grammar such as "
+                  "'root ::= root' does this)")
 POOLING_ENDPOINTS = {"embeddings": "create_embedding", "classify": "create_classify",
                      "rerank": "do_rerank", "score": "create_score", "pooling": "create_pooling"}
 
@@ -60,6 +72,16 @@ def shape_of(body: dict, tasks: tuple[str, ...] = ("generate",)) -> str:
                       '"parameters": {...}} (TGI)')
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: ``call(raw)`` serves it."""
+
+    call: Callable[[Request], Awaitable[Any]]
+    tgi: Optional[TgiRequest] = None
+    stream: bool = False
+    constrained: bool = False   # decoded under a grammar (structured outputs, tools)
+
+
 async def serve(request: Request, shape: str, payload: dict) -> Response:
     """Serve one model request (see the module docstring)."""
     request.state.shape = shape
@@ -68,28 +90,45 @@ async def serve(request: Request, shape: str, payload: dict) -> Response:
     if not engine.healthy:
         return error_response(503, f"the engine is not ready ({engine.state.value})")
     try:
-        call, tgi, stream = _prepare(app, shape, payload)
+        prepared = _prepare(app, shape, payload)
     except Exception as e:
         return response_for(e, validating=True)
-    outcome, result = await race(request, call(request), gate,
-                                 None if stream else app.config.http.invocation_timeout_s)
+    outcome, result = await race(request, prepared.call(request), gate,
+                                 None if prepared.stream else app.config.http.invocation_timeout_s)
     if outcome != "done":
-        return _unfinished(outcome, app.config.http.invocation_timeout_s)
+        return _unfinished(outcome, app.config.http.invocation_timeout_s, gate)
     if isinstance(result, BaseException):
-        return response_for(result) if engine.healthy and not gate.draining else \
-            error_response(503, "the server is shutting down")
-    return await _respond(request, result, tgi)
+        swap = instead_of_5xx(classify(result)[0], app, prepared.constrained)
+        return error_response(*swap) if swap else response_for(result)
+    return await _respond(request, result, prepared)
 
 
-def _prepare(app, shape: str, payload: dict):
-    """``(call, tgi, stream)``: a coroutine function serving the validated request."""
+def instead_of_5xx(status: int, app, constrained: bool) -> Optional[tuple[int, str]]:
+    """``(status, message)`` to answer instead of a 5xx that vLLM gave a request, or None
+    to keep it: the engine died or the server drains (503), or the request's grammar
+    left no token to produce (400: vLLM ends such a request with a bare "Internal server
+    error"; ``root ::= root`` does it at the first token)."""
+    if status < 500:
+        return None
+    if app.engine.dead or app.gate.engine_died:
+        return 503, ENGINE_DIED
+    if app.gate.draining:
+        return 503, SHUTTING_DOWN
+    if constrained and status == 500:
+        log.warning("a request decoded under a grammar failed in generation: answered 400")
+        return 400, GRAMMAR_FAILED
+    return None
+
+
+def _prepare(app, shape: str, payload: dict) -> Prepared:
+    """The validated request, ready to serve."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     engine, served = app.engine, app.config.engine.served_model_name
     tgi: Optional[TgiRequest] = None
     if shape in ("embeddings", "classify", "rerank", "score", "pooling"):
-        return _pooling_call(engine, shape, payload), None, False
+        return Prepared(_pooling_call(engine, shape, payload))
     if shape not in GENERATE_SHAPES or "generate" not in engine.tasks:
         raise ClientError(f"this model does not serve {shape} requests (its tasks: "
                           f"{', '.join(engine.tasks)})", 400)
@@ -108,7 +147,7 @@ def _prepare(app, shape: str, payload: dict):
     else:
         req = CompletionRequest.model_validate(body)
         handler = engine.completion.create_completion
-    check_pin_params(req.kv_transfer_params, chat_pin)
+    check_transfer_params(req, chat_pin)
     max_n = app.config.http.max_n
     if (req.n or 1) > max_n:
         raise ClientError(f"n={req.n} is above this server's maximum of {max_n} (SERVING_MAX_N)")
@@ -118,7 +157,16 @@ def _prepare(app, shape: str, payload: dict):
             await apply_chat_pin(engine.chat, req, chat_pin)
         return await handler(req, raw)
 
-    return call, tgi, bool(req.stream)
+    return Prepared(call, tgi, bool(req.stream), _constrained(req))
+
+
+def _constrained(req) -> bool:
+    """Whether vLLM decodes ``req`` under a grammar: structured outputs or a response
+    format (``extract_structured_outputs``), or tools it must call."""
+    if req.extract_structured_outputs() is not None:
+        return True
+    choice = getattr(req, "tool_choice", None)
+    return choice == "required" or (choice is not None and not isinstance(choice, str))
 
 
 def _pooling_call(engine, shape: str, payload: dict):
@@ -188,49 +236,59 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-def _unfinished(outcome: str, timeout_s: float) -> Response:
+def _unfinished(outcome: str, timeout_s: float, gate) -> Response:
     if outcome == "gone":
         return Response(status_code=499)  # nobody reads it; counted as the client's
     if outcome == "cut":
-        return error_response(503, "the server is shutting down: the request was still "
-                              "running at the drain deadline")
+        return error_response(503, ENGINE_DIED if gate.engine_died else f"{SHUTTING_DOWN}: the "
+                              "request was still running at the drain deadline")
     return error_response(504, f"no answer within {timeout_s:.0f} s "
                           "(SAGEMAKER_MODEL_SERVER_TIMEOUT)", "TimeoutError")
 
 
-async def _respond(request: Request, result: Any, tgi: Optional[TgiRequest]) -> Response:
+async def _respond(request: Request, result: Any, prepared: Prepared) -> Response:
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+    tgi = prepared.tgi
     if isinstance(result, ErrorResponse):
-        return JSONResponse(result.model_dump(), status_code=result.error.code)
+        swap = instead_of_5xx(result.error.code, request.app.state, prepared.constrained)
+        return error_response(*swap) if swap else \
+            JSONResponse(result.model_dump(), status_code=result.error.code)
     if isinstance(result, Response):
         return result
     if hasattr(result, "model_dump"):
         data = result.model_dump()
         return JSONResponse(completion_to_tgi(data, tgi) if tgi else data,
                             headers=explain_headers(request.headers, data))
-    return await _stream(request, result, tgi)
+    return await _stream(request, result, prepared)
 
 
-async def _stream(request: Request, chunks: AsyncIterator[str], tgi) -> Response:
+async def _stream(request: Request, chunks: AsyncIterator[str], prepared: Prepared) -> Response:
     """Validate a stream by its first event, then stream the rest (module docstring)."""
-    gate = request.app.state.gate
-    outcome, first = await race(request, _first(chunks), gate, None)
+    app = request.app.state
+    outcome, first = await race(request, _first(chunks), app.gate, None)
     if outcome != "done":
         await chunks.aclose()
-        return _unfinished(outcome, 0)
+        return _unfinished(outcome, 0, app.gate)
     if isinstance(first, BaseException):
         await chunks.aclose()
-        return response_for(first)
+        swap = instead_of_5xx(classify(first)[0], app, prepared.constrained)
+        return error_response(*swap) if swap else response_for(first)
     error = _stream_error(first)
     if error is not None:
         await chunks.aclose()
-        status = int(error.get("code") or 400) if str(error.get("code", "")).isdigit() else 400
-        return JSONResponse({"error": error}, status_code=status)
-    events = _until_cut(_prepend(first, chunks), gate)
-    if tgi is not None:
-        events = _tgi_events(events, tgi)
+        status = _status(error)
+        swap = instead_of_5xx(status, app, prepared.constrained)
+        return error_response(*swap) if swap else JSONResponse({"error": error}, status_code=status)
+    events = _until_cut(_prepend(first, chunks), app, prepared.constrained)
+    if prepared.tgi is not None:
+        events = _tgi_events(events, prepared.tgi)
     return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _status(error: dict) -> int:
+    code = str(error.get("code", ""))
+    return int(code) if code.isdigit() and 400 <= int(code) < 600 else 400
 
 
 async def _first(chunks: AsyncIterator[str]) -> Optional[str]:
@@ -265,15 +323,24 @@ async def _prepend(first: Optional[str], rest: AsyncIterator[str]) -> AsyncItera
         await rest.aclose()
 
 
-async def _until_cut(chunks: AsyncIterator[str], gate) -> AsyncIterator[str]:
-    """The stream, ended by an error event (503) once the drain deadline has passed."""
+async def _until_cut(chunks: AsyncIterator[str], app, constrained: bool) -> AsyncIterator[str]:
+    """The stream, ended by an error event (503) once the drain deadline has passed. An
+    error event ends it (``[DONE]`` follows, nothing else); a 5xx one is answered as
+    ``instead_of_5xx`` says (the engine died: 503)."""
+    gate = app.gate
     try:
         async for chunk in chunks:
+            error = _stream_error(chunk)
+            if error is not None:
+                swap = instead_of_5xx(_status(error), app, constrained)
+                yield sse(error_body(*swap)) if swap else chunk
+                yield DONE
+                return
             yield chunk
             if gate.cut.is_set():
-                yield sse(error_body(503, "the server is shutting down: the stream was cut at "
-                                          "the drain deadline"))
-                yield "data: [DONE]\n\n"
+                yield sse(error_body(503, ENGINE_DIED if gate.engine_died else
+                                     f"{SHUTTING_DOWN}: the stream was cut at the drain deadline"))
+                yield DONE
                 return
     finally:
         await chunks.aclose()

@@ -173,7 +173,8 @@ class TgiStream:
     """Turns vLLM's completion stream (``data: {...}`` strings) into TGI events.
 
     Holds back one token event so the last one can carry ``generated_text`` and
-    ``details``, as TGI's last event does.
+    ``details``, as TGI's last event does. An error event ends the stream: the held-back
+    token goes out before it, and nothing after it (no last event with partial text).
     """
 
     def __init__(self, req: TgiRequest) -> None:
@@ -182,9 +183,12 @@ class TgiStream:
         self.generated = 0
         self.pending: Optional[dict] = None
         self.finish: Optional[str] = None
+        self.failed = False
 
     def feed(self, chunk: str) -> Iterator[str]:
         for line in chunk.splitlines():
+            if self.failed:
+                return
             if not line.startswith("data:"):
                 continue
             payload = line[5:].strip()
@@ -197,9 +201,12 @@ class TgiStream:
             if "error" in data:
                 err = data["error"]
                 msg = err.get("message") if isinstance(err, dict) else str(err)
+                if self.pending is not None:  # the tokens generated so far, then the error
+                    yield sse(self.pending)
                 yield sse({"error": msg, "error_type": (err or {}).get("type", "generation")
                            if isinstance(err, dict) else "generation"})
-                continue
+                self.failed, self.pending = True, None
+                return
             for choice in data.get("choices") or []:
                 yield from self._choice(choice)
 
@@ -218,7 +225,9 @@ class TgiStream:
             self.finish = _finish_reason(choice["finish_reason"], choice.get("stop_reason"))
 
     def close(self) -> Iterator[str]:
-        """The last event, with the whole text and details."""
+        """The last event, with the whole text and details (none after an error)."""
+        if self.failed:
+            return
         last = self.pending or {"token": {"id": None, "text": "", "logprob": None, "special": True}}
         text = "".join(self.text)
         last["generated_text"] = (self.req.inputs + text) if self.req.parameters.return_full_text else text

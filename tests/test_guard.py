@@ -12,11 +12,13 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from serving.app import create_app
 from serving.config import build_serving_config
-from serving.guard import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, json_bounds_problem
+from serving.body import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, BodyError, parse_body
 from serving.machine import Machine
 from tests.test_serving_config import LLAMA3_8B
 
@@ -66,7 +68,12 @@ def assert_error(r: httpx.Response, status: int, words: str) -> None:
      f"more than {MAX_NUMBER_DIGITS} digits"),
     (b'{"prompt": "x",', "application/json", 400, "malformed JSON"),
     (b"", "application/json", 400, "malformed JSON"),
-    (b"\xff\xfe{}", "application/json", 400, "malformed JSON"),
+    (b"\xff\xfe{}", "application/json", 400, "the body is UTF-16 text"),
+    (b'{"prompt": "x", "max_tokens": 1e999}', "application/json", 400, "out of range"),
+    (b'{"prompt": "x", "top_k": ' + b"9" * 64 + b"}", "application/json", 400, "64 bits"),
+    (b'{"prompt": "x", "temperature": NaN}', "application/json", 400, "NaN is not a JSON number"),
+    (b'{"prompt": "x", "stop": ["\\udfff"]}', "application/json", 400, "lone UTF-16 surrogate"),
+    (b'{"prompt": "\xed\xa0\x80"}', "application/json", 400, "not UTF-8"),
     (b"[1, 2]", "application/json", 400, "must be a JSON object"),
     (b"3", "application/json", 400, "must be a JSON object"),
     (b'{"prompt": "x"}', "text/plain", 415, "is not JSON"),
@@ -82,10 +89,39 @@ def test_guard_refuses_before_any_parser(app, body, ctype, status, words):
 
 
 def test_bounds_ignore_brackets_and_digits_inside_strings():
-    assert json_bounds_problem(json.dumps({"prompt": "[" * 500 + "9" * 500}).encode()) is None
-    assert json_bounds_problem(b'{"a": "\\"[[[[", "b": [[1]]}') is None
-    assert json_bounds_problem(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is None
-    assert json_bounds_problem(b"[" * (MAX_JSON_DEPTH + 1)) is not None
+    assert parse_body(json.dumps({"prompt": "[" * 500 + "9" * 500}).encode())
+    assert parse_body(b'{"a": "\\"[[[[", "b": [[1]]}') == {"a": '"[[[[', "b": [[1]]}
+    inner = MAX_JSON_DEPTH - 1  # the object itself is one level
+    assert parse_body(b'{"a": ' + b"[" * inner + b"]" * inner + b"}")
+    with pytest.raises(BodyError, match="deep"):
+        parse_body(b'{"a": ' + b"[" * (inner + 1) + b"]" * (inner + 1) + b"}")
+
+
+def engine_killer(encoding: str, depth: int = 900) -> bytes:
+    """The request that killed the engine (issue 28): a U+2200 in the first string is the
+    bytes 00 22 in UTF-16-LE, which put the old byte scan's quote pairing off by one and
+    hid a 900-deep list in ``kv_transfer_params`` from it (3,804 bytes)."""
+    deep = "[" * depth + "0" + "]" * depth
+    text = ('{"inputs": "x\u2200", "parameters": {"max_new_tokens": 1, '
+            '"kv_transfer_params": {"k": ' + deep + '}}, "stream": false}')
+    return text.encode(encoding)
+
+
+ENCODINGS = ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be")
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_the_engine_killer_in_every_encoding_is_refused_by_name(app, encoding):
+    body = engine_killer(encoding)
+    for path in ("/invocations", "/v1/completions", "/v1/chat/completions"):
+        assert_error(post(app, body, path=path), 400, f"is {encoding.upper()} text")
+    deep = ("{" + '"a": [' * 5000 + "]" * 5000 + "}").encode(encoding)  # RecursionError in json
+    assert_error(post(app, deep), 400, "UTF-8")
+
+
+def test_the_engine_killer_in_utf8_is_refused_for_its_depth(app):
+    assert_error(post(app, engine_killer("utf-8")), 400, f"more than {MAX_JSON_DEPTH} deep")
+    assert_error(post(app, engine_killer("utf-8-sig")), 400, f"more than {MAX_JSON_DEPTH} deep")
 
 
 def test_json_content_types_pass_and_an_unready_engine_is_503(app):
@@ -149,3 +185,107 @@ def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_pa
     app = create_app(build_serving_config(env, Machine(ram_bytes=16 << 30, cpus=2)))
     r = call(app, "GET", "/ping")
     assert r.status_code == 200 and r.json() == {"status": "custom"}
+
+
+# -- the body parser's properties (hypothesis) ---------------------------------------------
+PROPS = settings(max_examples=300, deadline=None, database=None, derandomize=True)
+ALL_ENCODINGS = ("utf-8", "utf-8-sig") + ENCODINGS
+# Every code point, and often a surrogate (``st.text`` would leave surrogates out).
+any_text = st.lists(st.one_of(st.characters(exclude_categories=()),
+                              st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF,
+                                            exclude_categories=())), max_size=12).map("".join)
+json_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 63 - 1),
+                    st.floats(allow_nan=False, allow_infinity=False), json_text)
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(json_text, inner, max_size=4)), max_leaves=20)
+
+
+def _depth(value) -> int:
+    """Nesting depth by the parser's reading (the test's own reference; recursive, bounded)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@PROPS
+@given(value=st.dictionaries(json_text, values, max_size=4), ascii_only=st.booleans(),
+       bom=st.booleans())
+def test_any_bounded_object_in_utf8_reads_as_json_reads_it(value, ascii_only, bom):
+    body = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8-sig" if bom else "utf-8")
+    assert parse_body(body) == json.loads(body)  # what every later reader of the body builds
+
+
+@PROPS
+@given(value=st.dictionaries(json_text, values, min_size=1, max_size=4),
+       encoding=st.sampled_from(ENCODINGS))
+def test_utf16_and_utf32_bodies_are_refused_by_name(value, encoding):
+    body = json.dumps(value, ensure_ascii=False).encode(encoding)
+    with pytest.raises(BodyError, match=f"is {encoding.upper()} text"):
+        parse_body(body)
+
+
+@PROPS
+@given(depth=st.integers(0, 3000), kinds=st.lists(st.booleans(), min_size=1, max_size=8),
+       bait=st.text(st.sampled_from('x"\\[]{}\u2200\u225b\u5b22'), max_size=6),
+       encoding=st.sampled_from(ALL_ENCODINGS))
+def test_nesting_is_bounded_in_any_encoding_without_recursion(depth, kinds, bait, encoding):
+    """Lists and objects ``depth`` deep inside the body's object, after a string of quote
+    and bracket look-alikes (U+2200 is 00 22 in UTF-16-LE: a quote to a byte scan)."""
+    opens = ["[" if kinds[i % len(kinds)] else '{"k": ' for i in range(depth)]
+    closes = ["]" if o == "[" else "}" for o in reversed(opens)]
+    text = '{"bait": ' + json.dumps(bait, ensure_ascii=False) + ', "v": ' + "".join(opens) + "0" \
+        + "".join(closes) + "}"
+    body = text.encode(encoding)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        with pytest.raises(BodyError, match="send JSON as UTF-8"):
+            parse_body(body)
+    elif depth + 1 > MAX_JSON_DEPTH:
+        with pytest.raises(BodyError, match=f"more than {MAX_JSON_DEPTH} deep"):
+            parse_body(body)
+    else:
+        value = parse_body(body)
+        assert value == json.loads(body) and _depth(value) == depth + 1
+
+
+@PROPS
+@given(text=any_text, raw=st.booleans())
+def test_strings_with_any_code_points(text, raw):
+    """Any code point, lone surrogates included, escaped (``\\ud800``) or encoded raw: a
+    body is read exactly as ``json.loads`` reads it, or refused when what it reads is not
+    text (a lone surrogate left after pairs are joined) or its bytes are not UTF-8."""
+    if raw:
+        body = json.dumps({"prompt": text}, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    else:
+        body = json.dumps({"prompt": text}).encode()
+    reference = json.loads(body)["prompt"]  # Python's parser joins escaped pairs
+    lone = any(0xD800 <= ord(c) <= 0xDFFF for c in reference)
+    if lone:
+        with pytest.raises(BodyError, match="not UTF-8" if raw else "lone UTF-16 surrogate"):
+            parse_body(body)
+    else:
+        assert parse_body(body) == {"prompt": reference}
+
+
+@PROPS
+@given(number=st.one_of(st.integers(), st.integers(-2 ** 64, 2 ** 64)))
+def test_integers_are_bounded_to_64_bits(number):
+    body = b'{"top_k": ' + str(number).encode() + b"}"
+    if -2 ** 63 <= number < 2 ** 63:
+        assert parse_body(body) == {"top_k": number}
+    else:
+        with pytest.raises(BodyError, match="64 bits|digits"):
+            parse_body(body)
+
+
+@PROPS
+@given(raw=st.one_of(st.binary(max_size=80),
+                     st.builds(lambda v, cut: json.dumps(v).encode()[:cut], values, st.integers(0, 80))))
+def test_any_bytes_are_read_or_refused_never_an_other_error(raw):
+    try:
+        value = parse_body(raw)
+    except BodyError:
+        return
+    assert value == json.loads(raw) and isinstance(value, dict)

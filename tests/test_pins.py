@@ -21,7 +21,7 @@ from cache.store import TieredStore
 from cache.tiers.files import FileTier
 from cache.tiers.layout import PINS_FILE
 from cache.vllm.pinning import Pinner
-from serving.cache_control import ChatPin, check_pin_params, take_cache_control
+from serving.cache_control import ChatPin, check_kv_params, take_cache_control
 from serving.errors import ClientError
 from serving.tgi import parse_tgi, tgi_to_completion
 from tests.test_inspect import env_for, inspect
@@ -247,11 +247,11 @@ def test_bad_cache_control_is_a_400(mark, message):
 
 
 def test_pin_params_are_checked_and_tgi_carries_them():
-    check_pin_params({"kvcache_pin_ttl": 300}, None)
+    check_kv_params({"kvcache_pin_ttl": 300}, None)
     with pytest.raises(ClientError, match="kvcache_pin_ttl"):
-        check_pin_params({"kvcache_pin_ttl": "1d"}, None)
+        check_kv_params({"kvcache_pin_ttl": "1d"}, None)
     with pytest.raises(ClientError, match="not both"):
-        check_pin_params({"kvcache_pin_ttl": 300}, ChatPin(0, 300.0, True))
+        check_kv_params({"kvcache_pin_ttl": 300}, ChatPin(0, 300.0, True))
     tgi = parse_tgi({"inputs": "x", "parameters": {"kv_transfer_params": {"kvcache_pin_ttl": 300}}})
     assert tgi_to_completion(tgi, "m")["kv_transfer_params"] == {"kvcache_pin_ttl": 300}
 

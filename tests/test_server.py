@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pydantic import ValidationError
@@ -196,6 +197,65 @@ def test_engine_that_cannot_start_exits_1_naming_the_variable(tmp_path, model_pa
     run = _serve({"HF_MODEL_ID": model_path, "SM_VLLM_MAX_MODEL_LEN": "lots"}, tmp_path, 300)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "--max-model-len comes from SM_VLLM_MAX_MODEL_LEN" in run.stderr
+
+
+@engine
+def test_a_dead_engine_answers_in_flight_requests_503_and_the_server_exits_1(tmp_path, model_path):
+    """The engine core killed from outside while a plain request, a stream and a TGI stream
+    are in flight: each is answered with the JSON 503 (a stream's last event before
+    ``[DONE]``; TGI's last event), and the server exits 1 by itself (SageMaker and
+    Kubernetes replace it) instead of answering ``503 engine dead`` for ever."""
+    srv = start_server(tmp_path, model_path, {"SM_VLLM_MAX_MODEL_LEN": "16384"})
+    result: dict = {}
+    long = {"max_tokens": 16000, "ignore_eos": True}
+
+    def plain():
+        r = srv.post({"prompt": "die plain", **long})
+        result["plain"] = (r.status_code, r.json())
+
+    def stream(name: str, body: dict):
+        with srv.client.stream("POST", "/invocations", json={**body, "stream": True}) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    result.setdefault(name + "-first", True)
+            result[name] = (r.status_code, events)
+
+    threads = [threading.Thread(target=plain),
+               threading.Thread(target=stream, args=("stream", {"prompt": "die stream", **long})),
+               threading.Thread(target=stream, args=("tgi", {"inputs": "die tgi", "parameters": {
+                   "max_new_tokens": 16000, "ignore_eos": True}}))]
+    family = psutil.Process(srv.proc.pid).children(recursive=True)
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while not ("stream-first" in result and "tgi-first" in result
+                   and srv.metric("sagemaker_invocations_in_flight") >= 3):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, (result, srv.tail())
+            time.sleep(0.1)
+        core = [p for p in family if "EngineCore" in p.name()]
+        assert core, [p.name() for p in family]
+        core[0].kill()
+        code = srv.proc.wait(timeout=60)
+        for t in threads:
+            t.join(30)
+        assert code == 1, srv.tail()
+        status, body = result["plain"]
+        assert status == 503 and "the engine died" in body["error"]["message"], body
+        status, events = result["stream"]
+        assert status == 200 and events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == 503 and "engine died" in events[-2]
+        status, events = result["tgi"]
+        assert status == 200 and "engine died" in json.loads(events[-1])["error"], events[-3:]
+        assert all(json.loads(e).get("generated_text") is None for e in events[:-1])
+        assert "the engine died" in srv.tail() and "engine died while serving: exiting 1" in srv.tail()
+    finally:
+        stop_server(srv)
+        for p in family:  # what the killed engine core may have left (its worker)
+            if p.is_running():
+                p.kill()
 
 
 def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
@@ -435,12 +495,59 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     ({"prompt": "x", "kv_transfer_params": {"kvcache_pin_ttl": -1}}, 400, "kvcache_pin_ttl"),
     ({"prompt": "a" * 17000, "max_tokens": 4}, 400, "maximum context length"),
     ({"inputs": "a" * 17000}, 400, "maximum context length"),
+    ({"inputs": "x", "parameters": {"top_k": int("9" * 64)}}, 400, "does not fit in 64 bits"),
+    ({"prompt": "x", "kv_transfer_params": {"kvcache_load": "false"}}, 400, "kvcache_load='false'"),
+    ({"prompt": "x", "kv_transfer_params": {"kvcache_save": 0}}, 400, "kvcache_save=0"),
+    ({"inputs": "x", "parameters": {"kv_transfer_params": {"k": [[0]]}}}, 400, "unknown key(s) 'k'"),
+    ({"prompt": "x", "vllm_xargs": {"kv_transfer_params": "x"}}, 400, "vllm_xargs"),
+    (b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),
+    ({"prompt": "x", "max_tokens": 3, "structured_outputs": {"grammar": "root ::= root"}}, 400,
+     "its grammar left no token"),
+    ({**CHAT, "max_tokens": 3, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}}, 400,
+     "its grammar left no token"),
 ])
 def test_bad_input_is_a_4xx_with_a_message(server, body, status, words):
     r = server.post(body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["code"] == status and err["type"]
+
+
+@engine
+def test_the_engine_killer_in_every_encoding_is_a_400_and_the_engine_keeps_serving(server):
+    """The request that killed the engine (issue 28), in UTF-8 and every encoding
+    ``json.loads`` reads, on every route and shape; 5,000-deep bodies alike."""
+    from tests.test_guard import ENCODINGS, engine_killer
+
+    for encoding in ("utf-8",) + ENCODINGS:
+        for path in ("/invocations", "/v1/completions", "/v1/chat/completions"):
+            r = server.client.post(path, content=engine_killer(encoding),
+                                   headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == 400, (encoding, path, r.text)
+        deep = ('{"prompt": "x", "stop": ' + "[" * 5000 + "]" * 5000 + "}").encode(encoding)
+        assert server.post(deep).status_code == 400
+    r = server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": int("9" * 64)})
+    assert r.status_code == 400 and "64 bits" in r.json()["error"]["message"]
+    assert server.client.get("/ping").json() == {"status": "healthy"}
+    r = server.post({"inputs": "still here", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and "generated_text" in r.json()
+
+
+@engine
+def test_a_grammar_that_admits_no_token_is_a_400_streamed_or_not(server):
+    """vLLM ends a request whose grammar leaves no token with a bare 500; answered 400
+    here, before the stream's 200 when it fails at once, and as the stream's last event
+    when it fails later."""
+    never = {"prompt": "x", "max_tokens": 3, "stream": True, "structured_outputs": {"grammar": "root ::= root"}}
+    with server.client.stream("POST", "/invocations", json=never) as r:
+        r.read()
+    assert r.status_code == 400 and "grammar left no token" in r.json()["error"]["message"]
+    later = {**never, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}}
+    with server.client.stream("POST", "/invocations", json=later) as r:
+        events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert r.status_code == 200 and events[-1] == "[DONE]", events
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[-2])["error"]["code"] == 400 and "grammar" in events[-2]
 
 
 @engine

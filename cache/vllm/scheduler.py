@@ -43,6 +43,7 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
+from cache.request_params import wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
@@ -179,10 +180,9 @@ class SchedulerSide:
 
     @staticmethod
     def _wants(request: "Request", what: str) -> bool:
-        """The request's ``kv_transfer_params`` may say ``kvcache_load: false`` (compute,
-        do not load from the tiers) or ``kvcache_save: false`` (store nothing of it)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return params.get(f"kvcache_{what}", True) is not False
+        """``kvcache_load: false`` in ``kv_transfer_params``: compute, do not load from the
+        tiers; ``kvcache_save: false``: store nothing of it (``cache.request_params``)."""
+        return wants(getattr(request, "kv_transfer_params", None), f"kvcache_{what}")
 
     # -- vLLM hooks ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:

@@ -2,7 +2,8 @@
 
 Reads flags only (the gate's draining flag, the engine's state): it must answer
 within 2 s while the engine loads or is busy. 200 when the engine can serve; 503 while
-starting (``warming`` during pre-warming), after the engine died, or while draining.
+starting (``warming`` during pre-warming), while draining, and after the engine died
+(``engine dead``, for the seconds until the server exits: ``serving.__main__``).
 Registered as the SageMaker standards library's ping handler, so a custom ping handler
 (``CUSTOM_FASTAPI_PING_HANDLER``, or ``custom_sagemaker_ping_handler`` in the model's
 ``model.py``) replaces it.
@@ -21,7 +22,7 @@ from serving.engine import State
 async def ping(raw_request: Request) -> Response:
     app = raw_request.app.state
     engine, gate = app.engine, app.gate
-    if gate.draining:
+    if gate.draining and not gate.engine_died:
         return JSONResponse({"status": "draining"}, status_code=503)
     if engine.healthy:
         return JSONResponse({"status": "healthy"})
