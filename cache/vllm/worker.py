@@ -50,6 +50,7 @@ from cache.vllm.layered import StepLoads
 from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
+from cache.vllm.step_clock import step_clock
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class WorkerSide:
                      len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
                      layout.dtype_name, layout.bytes_per_block(), self.store.describe())
             chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
-        self.costs = LoadCosts(time_steps=not self.copiers[0].cuda)
+        self.costs = LoadCosts(step_clock(self.copiers[0].device))
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
                 log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
@@ -379,8 +380,7 @@ class WorkerSide:
                 self._events.append((key, event, tier))
 
     def take_settled(self) -> Optional[TieredKVWorkerMetadata]:
-        """Saves settled and chunk events since the last call, for the scheduler
-        (``None``: nothing new)."""
+        """Saves settled and chunk events since the last call, for the scheduler (None: none)."""
         with self._lock:
             settled, self._settled = self._settled, []
             events, self._events = self._events, []
