@@ -20,6 +20,15 @@ KV cache manager on (sliding-window layers hold only their window); what is stor
 cache group is in ``cache.vllm.groups``. A model whose groups the cache cannot serve
 (Mamba / linear attention ...) runs without the cache (``cache.vllm.off``): one log line
 says so, never a refusal.
+
+Model runners: vLLM 0.32 calls the worker hooks from its V1 model runner (the CPU build
+always; the engine tests) or its V2 one (the GPU default). Both bind the step's metadata,
+start synchronous loads before the forward pass and asynchronous ones after it, then call
+``wait_for_save`` and ``get_transfer_results`` (V2 after sampling); V2 calls
+``handle_preemptions`` only after the step's own writes to KV blocks (zeroing,
+copy-on-write copies), so there the fence that orders those writes after earlier saves'
+copies runs at the end of the step before. ``tests/test_runner_hooks.py`` drives this
+connector through vLLM's own hook code of both runners.
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
+        self._fence_after_save = False
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
         if layout.off_reason:
@@ -108,6 +118,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
+            # Model runner V2 (vLLM's GPU default) calls handle_preemptions after this step's
+            # writes to KV blocks (zeroing, copy-on-write), V1 before them: under V2 the fence
+            # goes at the end of the step before (wait_for_save), after its sampling.
+            self._fence_after_save = bool(getattr(vllm_config, "use_v2_model_runner", False))
+            if rank == 0:
+                log.info("kvcache: vLLM model runner %s", "V2" if self._fence_after_save else "V1")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -116,6 +132,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker role -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # V1: first in the step, before vLLM writes KV blocks (zeroing, copy-on-write
+        # copies); earlier saves' copies must be done reading blocks it may reuse.
+        self.worker_side.fence()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -142,6 +163,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, TieredKVMetadata)
             self.worker_side.wait_for_save(meta)
+        if self._fence_after_save:  # V2: the last hook before the next step writes KV blocks
+            self.worker_side.fence()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         done = self.worker_side.get_finished()

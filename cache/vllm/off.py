@@ -54,6 +54,9 @@ class CacheOff:
     def step_begins(self, meta=None) -> None:
         return None
 
+    def fence(self) -> None:
+        return None
+
     def start_load_kv(self, meta) -> None:
         return None
 

@@ -9,7 +9,7 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
-  queued (the writer waits for it, and ``step_begins`` orders the next forward pass
+  queued (the writer waits for it; ``fence`` orders vLLM's next writes to blocks
   after it). Settled saves go back to the scheduler with the next step's output
   (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
@@ -82,9 +82,7 @@ class WorkerSide:
         self._inflight: dict[str, object] = {}
         self.layered = StepLoads(self)  # this step's layer-wise loads (forward thread)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
-        # What happened to chunks since the last step, for the scheduler's explanations
-        # (cache.explain): (key, event, tier), at most MAX_EVENTS per step.
-        self._events: list[tuple[str, str, str]] = []
+        self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
         self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -108,19 +106,21 @@ class WorkerSide:
                             tier.location, f"{chunk:,}")
 
     def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
-        """Benchmarks: ``timer(step, seconds, **details)`` is called for each tier read
-        (``"read"``) and entry check (``"decode"``, on the thread that ran them), each
-        copy into the KV cache (``"scatter"``) and, after each load request, ``"load"``
-        (``req``, ``asynchronous``, ``chunks``, ``failed``)."""
+        """Benchmarks: ``timer(step, seconds, **details)`` for each tier read (``"read"``) and
+        entry check (``"decode"``, on the thread that ran them), copy into the KV cache
+        (``"scatter"``) and load request (``"load"``: ``req``, ``asynchronous``, ``chunks``, ``failed``)."""
         self._timer = timer
         self.store.timer = timer
 
     # -- loads -----------------------------------------------------------------
-    def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
-        """A step's metadata is bound, before its forward pass is launched: the compute
-        stream waits for the copies of earlier saves (blocks they read may be reused)."""
+    def fence(self) -> None:
+        """vLLM's next writes to KV blocks wait for earlier saves' copies (forward thread)."""
         for copier in self.copiers:
             copier.fence()
+
+    def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
+        """A step's metadata is bound, before its forward pass is launched."""
+        self.fence()
         if self.costs is not None:
             self.costs.forward_began(meta.compute if meta is not None else None)
 
@@ -364,7 +364,7 @@ class WorkerSide:
         for chunk in meta.saves:
             copier = self.copiers[chunk.kind]
             # On CUDA the copy is still running when put() queues it: the writer thread
-            # waits for it (ready), the next step's forward pass too (step_begins).
+            # waits for it (ready), vLLM's next writes to blocks too (fence).
             host, ready = copier.gather_async(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
                            host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
