@@ -19,7 +19,7 @@ Hybrid models: the connector implements vLLM's ``SupportsHMA``, so vLLM keeps it
 KV cache manager on (sliding-window layers hold only their window); what is stored per KV
 cache group is in ``cache.vllm.groups``. A model whose groups the cache cannot serve
 (Mamba / linear attention ...) runs without the cache (``cache.vllm.off``): one log line
-says so, never a refusal.
+says so, never a refusal. So does an engine with decode or prefill context parallelism.
 
 Model runners: vLLM 0.32 calls the worker hooks from its V1 model runner (the CPU build
 always; the engine tests) or its V2 one (the GPU default). Both bind the step's metadata,
@@ -43,13 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
 from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace
-from cache.vllm.off import CacheOff
+from cache.vllm.off import CacheOff, context_parallel_reason
 from cache.vllm.planner import bytes_per_block
 
 if TYPE_CHECKING:
@@ -62,6 +63,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("cache.vllm.connector")
+
+
+# vLLM's label of a hit's source (vllm:prompt_tokens_cached_by_source) per tier: the shared
+# tier is a remote store, which vLLM 0.32 labels external_unspecified.
+HIT_SOURCES = {"dram": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def hit_sources(tokens_by_tier: dict[str, int], n: int) -> dict[CacheHitSource, int]:
+    """``n`` hit tokens by vLLM's source label, from the tokens the load takes per tier
+    (all external_unspecified when those do not add up to ``n``)."""
+    if sum(tokens_by_tier.values()) != n:
+        return {CacheHitSource.EXTERNAL_UNSPECIFIED: n} if n else {}
+    out: dict[CacheHitSource, int] = {}
+    for tier, tokens in tokens_by_tier.items():
+        source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        out[source] = out.get(source, 0) + tokens
+    return {source: tokens for source, tokens in out.items() if tokens}
 
 
 class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -81,11 +99,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._fence_after_save = False
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
-        if layout.off_reason:
+        off_reason = context_parallel_reason(parallel, block_size) or layout.off_reason
+        if off_reason:
             self.scheduler_side = self.worker_side = CacheOff(config)
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
-                            "cache", vllm_config.model_config.model, layout.off_reason)
+                            "cache", vllm_config.model_config.model, off_reason)
             return
         if role == KVConnectorRole.SCHEDULER:
             from cache.vllm.scheduler import SchedulerSide
@@ -166,15 +185,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._fence_after_save:  # V2: the last hook before the next step writes KV blocks
             self.worker_side.fence()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        done = self.worker_side.get_finished()
-        return None, (done or None)
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # Hybrid models' load failures are per request (vLLM recomputes those requests).
-        failed = self.worker_side.take_failed_requests()
-        done = self.worker_side.get_finished() | failed
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        # What vLLM 0.32 asks (both model runners; never get_finished). Hybrid models' load
+        # failures are per request (vLLM recomputes those requests), reported finished too.
+        done, failed = self.worker_side.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
@@ -208,6 +223,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        # vllm:prompt_tokens_cached_by_source: where the tokens of the load just planned come from
+        return hit_sources(self.scheduler_side.planned_tokens(request.request_id), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)

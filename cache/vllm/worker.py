@@ -4,8 +4,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
 - ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
   asynchronous (disk, shared) go to the store's read threads and are reported through
-  ``get_finished`` when their blocks are filled. On CPU blocks a synchronous load goes
-  layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``, ``wait_for_save``).
+  ``take_transfer_results`` when their blocks are filled. On CPU blocks a synchronous
+  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``).
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
@@ -66,7 +66,7 @@ class WorkerSide:
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._stats = StatsDelta()
+        self._stats = StatsDelta(per_request=namespace.rank == 0)  # requests counted by rank 0 alone
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
         self.store = writer_store(config, namespace, thread_setup=self._thread_setup)
@@ -328,12 +328,15 @@ class WorkerSide:
         tier, info = found
         return "placed", (tier, HEADER_SIZE + info.payload_len)
 
-    def get_finished(self) -> set[str]:
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads finished since the last call and those of them that failed
+        whole (hybrid models), taken together: a load ending meanwhile is in both or neither."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
+            failed, self._failed_requests = self._failed_requests, set()
         for req_id in done:
             self._inflight.pop(req_id, None)
-        return done
+        return done, failed
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
@@ -346,12 +349,6 @@ class WorkerSide:
         self.layered.finish()  # (done in wait_for_save, unless vLLM deferred that)
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
-
-    def take_failed_requests(self) -> set[str]:
-        """Requests whose load failed (hybrid models; also reported finished)."""
-        with self._lock:
-            failed, self._failed_requests = self._failed_requests, set()
         return failed
 
     # -- saves -----------------------------------------------------------------
