@@ -81,10 +81,10 @@ class TimedTieredKVConnector(TieredKVConnector):
         if ms > 0.5:
             _emit(self._log, event="wait_for_save", ms=ms)
 
-    def get_finished(self, finished_req_ids):
-        done = super().get_finished(finished_req_ids)
-        if done[1]:
-            _emit(self._log, event="finished_recving", reqs=sorted(done[1]))
+    def get_transfer_results(self, finished_req_ids):
+        done = super().get_transfer_results(finished_req_ids)  # (vLLM 0.32 never calls get_finished)
+        if done.finished_recving:
+            _emit(self._log, event="finished_recving", reqs=sorted(done.finished_recving))
         return done
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -141,12 +141,13 @@ def fill(folder: str) -> int:
 
 def read_metrics(prefix: str) -> tuple[dict, dict]:
     """This process's Prometheus samples whose names start with ``prefix``: by name, and
-    by ``name{cause=..,mode=..,path=..,tier=..}`` (the labels each has of these)."""
+    by ``name{cause=..,mode=..,path=..,source=..,tier=..}`` (the labels each has of these)."""
     from prometheus_client import REGISTRY  # vLLM's get_metrics() lists only vllm:*
 
     samples = [s for m in REGISTRY.collect() if m.name.startswith(prefix) for s in m.samples]
-    labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                                        if k in ("tier", "cause", "mode", "path")) + "}": s.value for s in samples}
+    keep = ("tier", "cause", "mode", "path", "source")
+    labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k in keep) + "}": s.value
+                for s in samples}
     return {s.name: s.value for s in samples}, labelled
 
 

@@ -95,6 +95,7 @@ def one_engine(model_path, tmp):
             {"metrics": "kvcache:loads"},
             {"prompt_token_ids": PM},
             {"metrics": "kvcache:loads"},
+            {"metrics": "vllm:prompt_tokens_cached_by_source"},
         ],
         "log_stats": True,  # the metrics steps: which way each load went
     }
@@ -142,6 +143,17 @@ def test_a_full_hit_loads_whole_before_the_forward_pass(one_engine):
     loads = one_engine[13]["labelled"]
     assert loads.get("kvcache:loads_total{mode=sync}") == 4
     assert loads.get("kvcache:loads_total{mode=layered}") == 2
+
+
+def test_vllm_counts_our_hits_by_the_tier_that_served_them(one_engine):
+    """``vllm:prompt_tokens_cached_by_source``: DRAM hits as host, disk hits as disk, as
+    the connector reports them; none left external_unspecified."""
+    *requests, counted = one_engine
+    served = {tier: sum(r.get("loaded", {}).get(tier, 0) for r in requests) for tier in ("dram", "disk")}
+    assert served["dram"] and served["disk"]
+    by_source = {source: counted["labelled"].get(f"vllm:prompt_tokens_cached_by_source_total{{source={source}}}")
+                 for source in ("host", "disk", "external_unspecified")}
+    assert by_source == {"host": served["dram"], "disk": served["disk"], "external_unspecified": 0}
 
 
 def test_hit_with_a_partly_filled_last_block_matches_recompute(one_engine):

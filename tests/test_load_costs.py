@@ -180,7 +180,7 @@ def worker(tmp_path, request, monkeypatch):
 
 def finish(side, timeout=10.0):
     end = time.monotonic() + timeout
-    while not side.get_finished():
+    while not side.take_transfer_results()[0]:
         assert time.monotonic() < end
         time.sleep(0.01)
     return side.get_block_ids_with_load_errors()

@@ -19,7 +19,16 @@ Hybrid models: the connector implements vLLM's ``SupportsHMA``, so vLLM keeps it
 KV cache manager on (sliding-window layers hold only their window); what is stored per KV
 cache group is in ``cache.vllm.groups``. A model whose groups the cache cannot serve
 (Mamba / linear attention ...) runs without the cache (``cache.vllm.off``): one log line
-says so, never a refusal.
+says so, never a refusal. So does an engine with decode or prefill context parallelism.
+
+Model runners: vLLM 0.32 calls the worker hooks from its V1 model runner (the CPU build
+always; the engine tests) or its V2 one (the GPU default). Both bind the step's metadata,
+start synchronous loads before the forward pass and asynchronous ones after it, then call
+``wait_for_save`` and ``get_transfer_results`` (V2 after sampling); V2 calls
+``handle_preemptions`` only after the step's own writes to KV blocks (zeroing,
+copy-on-write copies), so there the fence that orders those writes after earlier saves'
+copies runs at the end of the step before. ``tests/test_runner_hooks.py`` drives this
+connector through vLLM's own hook code of both runners.
 """
 
 from __future__ import annotations
@@ -34,13 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
 from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace
-from cache.vllm.off import CacheOff
+from cache.vllm.off import CacheOff, context_parallel_reason
 from cache.vllm.planner import bytes_per_block
 
 if TYPE_CHECKING:
@@ -53,6 +63,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("cache.vllm.connector")
+
+
+# vLLM's label of a hit's source (vllm:prompt_tokens_cached_by_source) per tier: the shared
+# tier is a remote store, which vLLM 0.32 labels external_unspecified.
+HIT_SOURCES = {"dram": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def hit_sources(tokens_by_tier: dict[str, int], n: int) -> dict[CacheHitSource, int]:
+    """``n`` hit tokens by vLLM's source label, from the tokens the load takes per tier
+    (all external_unspecified when those do not add up to ``n``)."""
+    if sum(tokens_by_tier.values()) != n:
+        return {CacheHitSource.EXTERNAL_UNSPECIFIED: n} if n else {}
+    out: dict[CacheHitSource, int] = {}
+    for tier, tokens in tokens_by_tier.items():
+        source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        out[source] = out.get(source, 0) + tokens
+    return {source: tokens for source, tokens in out.items() if tokens}
 
 
 class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -69,13 +96,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
+        self._fence_after_save = False
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
-        if layout.off_reason:
+        off_reason = context_parallel_reason(parallel, block_size) or layout.off_reason
+        if off_reason:
             self.scheduler_side = self.worker_side = CacheOff(config)
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
-                            "cache", vllm_config.model_config.model, layout.off_reason)
+                            "cache", vllm_config.model_config.model, off_reason)
             return
         if role == KVConnectorRole.SCHEDULER:
             from cache.vllm.scheduler import SchedulerSide
@@ -108,6 +137,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
             ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
+            # Model runner V2 (vLLM's GPU default) calls handle_preemptions after this step's
+            # writes to KV blocks (zeroing, copy-on-write), V1 before them: under V2 the fence
+            # goes at the end of the step before (wait_for_save), after its sampling.
+            self._fence_after_save = bool(getattr(vllm_config, "use_v2_model_runner", False))
+            if rank == 0:
+                log.info("kvcache: vLLM model runner %s", "V2" if self._fence_after_save else "V1")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -116,6 +151,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker role -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # V1: first in the step, before vLLM writes KV blocks (zeroing, copy-on-write
+        # copies); earlier saves' copies must be done reading blocks it may reuse.
+        self.worker_side.fence()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -142,16 +182,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, TieredKVMetadata)
             self.worker_side.wait_for_save(meta)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        done = self.worker_side.get_finished()
-        return None, (done or None)
+        if self._fence_after_save:  # V2: the last hook before the next step writes KV blocks
+            self.worker_side.fence()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # Hybrid models' load failures are per request (vLLM recomputes those requests).
-        failed = self.worker_side.take_failed_requests()
-        done = self.worker_side.get_finished() | failed
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        # What vLLM 0.32 asks (both model runners; never get_finished). Hybrid models' load
+        # failures are per request (vLLM recomputes those requests), reported finished too.
+        done, failed = self.worker_side.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
@@ -185,6 +223,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        # vllm:prompt_tokens_cached_by_source: where the tokens of the load just planned come from
+        return hit_sources(self.scheduler_side.planned_tokens(request.request_id), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)

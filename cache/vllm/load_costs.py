@@ -1,18 +1,19 @@
 """Worker side of the cost model: what loads and forward passes took, for the scheduler.
 
 Runs in the vLLM worker process. ``forward_began``/``forward_ended`` are called on the
-forward thread around each step (``bind_connector_metadata`` .. ``wait_for_save``);
-``loaded`` on whichever thread ran a load (the forward thread for memory tiers, a load
-thread otherwise). Nothing here blocks: a lock around list appends.
+forward thread around each step (``bind_connector_metadata`` .. ``wait_for_save``), and
+``take`` once per step there too; ``loaded`` on whichever thread ran a load (the forward
+thread for memory tiers, a load thread otherwise). Nothing here blocks or waits for the
+GPU: a lock around list appends.
 
 What it sends back (``take``, with the step's ``TieredKVWorkerMetadata``):
 - ``("load", tier, bytes, seconds)``: a load whose entries all came from one tier, read
   whole and verified (a load cut short or failed says nothing about the tier's rate);
 - ``("step", tokens, attention pairs, seconds)``: a forward pass, less the time the
-  forward thread spent loading (``cache.cost.PrefillRate``). Only on the CPU, where the
-  forward pass has ended when ``wait_for_save`` runs; on CUDA kernels are still queued
-  then, so no step is timed there and the scheduler, lacking a prefill rate, loads every
-  hit (no cost-based choice).
+  forward thread spent loading (``cache.cost.PrefillRate``). On the CPU the forward pass
+  has ended when ``wait_for_save`` runs: the host clock times it. On CUDA its kernels are
+  still queued then: CUDA events on the compute stream time it (``cache.vllm.step_clock``,
+  read back without waiting, a step or more later), from after its synchronous loads.
 
 ``totals`` (cumulative, for ``cache.vllm.metrics``): per load mode (``sync``: whole,
 before the forward pass; ``layered``: layer by layer during it, ``cache.vllm.layered``;
@@ -28,11 +29,13 @@ import time
 from typing import Optional
 
 from cache.vllm.metadata import LoadRequest
+from cache.vllm.step_clock import EventClock
 
 
 class LoadCosts:
-    def __init__(self, time_steps: bool) -> None:
-        self.time_steps = time_steps
+    def __init__(self, events: Optional[EventClock] = None) -> None:
+        """``events``: the GPU's step clock (``step_clock``); None: the host clock."""
+        self.events = events
         self._lock = threading.Lock()
         self._samples: list[tuple] = []
         self.counters: dict[str, float] = {}
@@ -42,10 +45,16 @@ class LoadCosts:
 
     # -- forward passes (forward thread) -----------------------------------------
     def forward_began(self, compute: Optional[tuple[int, float]]) -> None:
-        self._began = time.perf_counter() if self.time_steps and compute and compute[0] else None
+        timed = compute if compute and compute[0] else None
+        if self.events is not None:
+            self.events.begin(timed)
+        self._began = time.perf_counter() if timed and self.events is None else None
         self._compute, self._loading = compute, 0.0
 
     def forward_ended(self) -> None:
+        if self.events is not None:
+            self.events.end()
+            return
         began, self._began = self._began, None
         if began is None:
             return
@@ -62,6 +71,8 @@ class LoadCosts:
         the forward pass; default: all of a synchronous load's, none of another's).
         ``layered``: the load went layer by layer (counted as its own mode)."""
         mode = "async" if load.asynchronous else "layered" if layered else "sync"
+        if self.events is not None and mode == "sync":  # forward thread, before the forward pass:
+            self.events.restart()                       # the step's GPU time starts after it
         with self._lock:
             if not load.asynchronous:
                 self._loading += seconds if forward_seconds is None else forward_seconds
@@ -80,8 +91,10 @@ class LoadCosts:
         self.counters[key] = self.counters.get(key, 0) + value
 
     def take(self) -> list[tuple]:
+        """Measurements since the last call (forward thread: the GPU's steps are read here)."""
+        steps = [("step", *s) for s in self.events.ready()] if self.events is not None else []
         with self._lock:
-            out, self._samples = self._samples, []
+            out, self._samples = self._samples + steps, []
         return out
 
     def totals(self) -> dict[str, float]:

@@ -40,7 +40,7 @@ class ChunkIO:
 class LoadRequest:
     req_id: str
     chunks: list[ChunkIO]
-    asynchronous: bool     # True: load on a worker thread, report through get_finished
+    asynchronous: bool     # True: load on a worker thread, report through get_transfer_results
     hit_end: int = 0       # tokens computed once loaded
     estimate_s: Optional[float] = None  # expected load time (cache.cost)
     deadline_s: Optional[float] = None  # cut short after this long; the rest is recomputed

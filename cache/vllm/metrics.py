@@ -7,8 +7,10 @@ process and calls ``TieredKVPromMetrics.observe`` there, which feeds Prometheus.
 bytes, load time, usage, and prefix tokens served from each tier.
 
 Data format: a flat dict ``{"<tier>.<field>": number}``. Counters are deltas and add
-up; fields in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share
-their tiers' folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
+up over ranks (each rank's own reads and writes), except those counting requests
+(``counts_requests``: tokens loaded, loads by mode), which only rank 0 reports; fields
+in ``LEVELS`` are levels (bytes in use) and aggregate by max (ranks share their tiers'
+folders). ``all.enabled`` (``kvcache:enabled``) is 1 while the cache serves
 the model, 0 when the model runs without it (``cache.vllm.off``, reported once,
 with every tier's capacity 0). The scheduler adds ``{"miss:<cause>:<tier>": tokens}``:
 prompt tokens computed since its last report, by the reason they were not loaded
@@ -95,15 +97,26 @@ class TieredKVStats(KVConnectorStats):
             v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
 
 
-class StatsDelta:
-    """Turns the store's running totals into per-interval deltas (worker side)."""
+def counts_requests(key: str) -> bool:
+    """Whether counter ``key`` counts requests rather than one rank's I/O: every rank
+    loads its own part of each request's KV, and vLLM sums the workers' stats, so these
+    would count each request once per rank (tensor x pipeline parallel)."""
+    return key.startswith("load:") or key.endswith(".tokens_loaded")
 
-    def __init__(self) -> None:
+
+class StatsDelta:
+    """Turns the store's running totals into per-interval deltas (worker side).
+    ``per_request``: this rank reports the counters of requests (rank 0 only)."""
+
+    def __init__(self, per_request: bool = True) -> None:
+        self.per_request = per_request
         self._last: dict[str, float] = {}
 
     def take(self, now: dict[str, float], levels: dict[str, float]) -> Optional[TieredKVStats]:
         """``now``: the store's running totals (``TieredStore.counters``); ``levels``: its
         usage (``TieredStore.levels``), passed through as they are."""
+        if not self.per_request:
+            now = {k: v for k, v in now.items() if not counts_requests(k)}
         delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         if not delta:

@@ -100,8 +100,7 @@ class SchedulerSide:
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
                  pinner: Optional[Pinner] = None) -> None:
-        """``bytes_per_block``: KV bytes of one block on one rank, every layer (the cost
-        model's unit; 0: unknown, every hit loads whatever it finds)."""
+        """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.block_size = block_size
@@ -174,14 +173,12 @@ class SchedulerSide:
                 for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
 
     def _cacheable(self, request: "Request") -> bool:
-        # Multimodal inputs and prompt embeddings change what the tokens' KV is without
-        # changing the token ids: such prompts are never keyed, stored or loaded.
+        # Multimodal inputs and prompt embeddings change the KV, not the token ids: never cached.
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
     @staticmethod
     def _wants(request: "Request", what: str) -> bool:
-        """``kvcache_load: false`` in ``kv_transfer_params``: compute, do not load from the
-        tiers; ``kvcache_save: false``: store nothing of it (``cache.request_params``)."""
+        """``kvcache_load: false`` / ``kvcache_save: false`` (``cache.request_params``)."""
         return wants(getattr(request, "kv_transfer_params", None), f"kvcache_{what}")
 
     # -- vLLM hooks ------------------------------------------------------------
@@ -301,6 +298,10 @@ class SchedulerSide:
         st.issued.extend(load.chunks)
         self.planner.issued(request.request_id)
 
+    def planned_tokens(self, req_id: str) -> dict[str, int]:
+        """Tokens per tier of the request's last planned load (vLLM's hit sources)."""
+        return dict(self.requests[req_id].planned) if req_id in self.requests else {}
+
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
         meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused),
                                 publish=self.pinner.take_publish() if self.pinner else [])
@@ -370,8 +371,7 @@ class SchedulerSide:
 
     def get_stats(self) -> Optional[TieredKVStats]:
         """Prompt tokens computed since the last report, by cause (``cache.explain``), and
-        requests by the path the cost model chose (``cache.vllm.planner``); the workers
-        report the tiers' counters."""
+        requests by the path the cost model chose (``cache.vllm.planner``)."""
         counts = {**self.explain.take_counts(), **self.planner.stats()}
         return TieredKVStats(data=counts) if counts else None
 

@@ -4,12 +4,12 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
 - ``start_load_kv`` (before the forward pass): DRAM hits are copied in synchronously
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
   asynchronous (disk, shared) go to the store's read threads and are reported through
-  ``get_finished`` when their blocks are filled. On CPU blocks a synchronous load goes
-  layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``, ``wait_for_save``).
+  ``take_transfer_results`` when their blocks are filled. On CPU blocks a synchronous
+  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``).
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
-  queued (the writer waits for it, and ``step_begins`` orders the next forward pass
+  queued (the writer waits for it; ``fence`` orders vLLM's next writes to blocks
   after it). Settled saves go back to the scheduler with the next step's output
   (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
@@ -50,6 +50,7 @@ from cache.vllm.layered import StepLoads
 from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
+from cache.vllm.step_clock import step_clock
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class WorkerSide:
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._stats = StatsDelta()
+        self._stats = StatsDelta(per_request=namespace.rank == 0)  # requests counted by rank 0 alone
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
         self.store = writer_store(config, namespace, thread_setup=self._thread_setup)
@@ -81,9 +82,7 @@ class WorkerSide:
         self._inflight: dict[str, object] = {}
         self.layered = StepLoads(self)  # this step's layer-wise loads (forward thread)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
-        # What happened to chunks since the last step, for the scheduler's explanations
-        # (cache.explain): (key, event, tier), at most MAX_EVENTS per step.
-        self._events: list[tuple[str, str, str]] = []
+        self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
         self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -99,7 +98,7 @@ class WorkerSide:
                      len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
                      layout.dtype_name, layout.bytes_per_block(), self.store.describe())
             chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
-        self.costs = LoadCosts(time_steps=not self.copiers[0].cuda)
+        self.costs = LoadCosts(step_clock(self.copiers[0].device))
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
                 log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
@@ -107,19 +106,21 @@ class WorkerSide:
                             tier.location, f"{chunk:,}")
 
     def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
-        """Benchmarks: ``timer(step, seconds, **details)`` is called for each tier read
-        (``"read"``) and entry check (``"decode"``, on the thread that ran them), each
-        copy into the KV cache (``"scatter"``) and, after each load request, ``"load"``
-        (``req``, ``asynchronous``, ``chunks``, ``failed``)."""
+        """Benchmarks: ``timer(step, seconds, **details)`` for each tier read (``"read"``) and
+        entry check (``"decode"``, on the thread that ran them), copy into the KV cache
+        (``"scatter"``) and load request (``"load"``: ``req``, ``asynchronous``, ``chunks``, ``failed``)."""
         self._timer = timer
         self.store.timer = timer
 
     # -- loads -----------------------------------------------------------------
-    def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
-        """A step's metadata is bound, before its forward pass is launched: the compute
-        stream waits for the copies of earlier saves (blocks they read may be reused)."""
+    def fence(self) -> None:
+        """vLLM's next writes to KV blocks wait for earlier saves' copies (forward thread)."""
         for copier in self.copiers:
             copier.fence()
+
+    def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
+        """A step's metadata is bound, before its forward pass is launched."""
+        self.fence()
         if self.costs is not None:
             self.costs.forward_began(meta.compute if meta is not None else None)
 
@@ -327,12 +328,15 @@ class WorkerSide:
         tier, info = found
         return "placed", (tier, HEADER_SIZE + info.payload_len)
 
-    def get_finished(self) -> set[str]:
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads finished since the last call and those of them that failed
+        whole (hybrid models), taken together: a load ending meanwhile is in both or neither."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
+            failed, self._failed_requests = self._failed_requests, set()
         for req_id in done:
             self._inflight.pop(req_id, None)
-        return done
+        return done, failed
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
@@ -347,12 +351,6 @@ class WorkerSide:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def take_failed_requests(self) -> set[str]:
-        """Requests whose load failed (hybrid models; also reported finished)."""
-        with self._lock:
-            failed, self._failed_requests = self._failed_requests, set()
-        return failed
-
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
         self.layered.finish()  # this step's layer-wise loads end; failures go with its output
@@ -363,7 +361,7 @@ class WorkerSide:
         for chunk in meta.saves:
             copier = self.copiers[chunk.kind]
             # On CUDA the copy is still running when put() queues it: the writer thread
-            # waits for it (ready), the next step's forward pass too (step_begins).
+            # waits for it (ready), vLLM's next writes to blocks too (fence).
             host, ready = copier.gather_async(chunk.block_ids)
             self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
                            host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
@@ -379,8 +377,7 @@ class WorkerSide:
                 self._events.append((key, event, tier))
 
     def take_settled(self) -> Optional[TieredKVWorkerMetadata]:
-        """Saves settled and chunk events since the last call, for the scheduler
-        (``None``: nothing new)."""
+        """Saves settled and chunk events since the last call, for the scheduler (None: none)."""
         with self._lock:
             settled, self._settled = self._settled, []
             events, self._events = self._events, []
