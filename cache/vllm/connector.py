@@ -83,16 +83,18 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A cache never fails a request: a chunk that cannot be loaded is recomputed.
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"
+            from cache.curves import tier_curves
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
             namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
                           for r in range(world)]
-            pinner = Pinner(config, [ns.id for ns in namespaces],
-                            chunk_entry_bytes(kv_cache_config, config.chunk_tokens))
+            entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
+            pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
                                                 vllm_config.cache_config.prefix_cache_retention_interval,
-                                                bytes_per_block(kv_cache_config), pinner)
+                                                bytes_per_block(kv_cache_config), pinner,
+                                                tier_curves(config, entry_bytes * world))
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
 from cache.config import CacheConfig
+from cache.curves import Curves
 from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
@@ -98,11 +99,12 @@ class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
-                 pinner: Optional[Pinner] = None) -> None:
+                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None) -> None:
         """``bytes_per_block``: KV bytes of one block on one rank, every layer (the cost
         model's unit; 0: unknown, every hit loads whatever it finds)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
+        self.curves = curves or Curves({}, config.policy)  # miss-ratio curves (cache.curves)
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -146,8 +148,8 @@ class SchedulerSide:
             st = self.requests[request.request_id] = RequestState(request)
         tokens = request.prompt_token_ids or []
         if st.n_tokens != len(tokens):
-            st.chunks = self._cut(tokens, request)
-            st.n_tokens = len(tokens)
+            st.chunks, st.n_tokens = self._cut(tokens, request), len(tokens)
+            self.curves.observe(st.chunks)  # once per request: the prompt does not change
             if self.layout.windows:
                 st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
                                              self.chunk, self.retention_interval)
@@ -181,8 +183,7 @@ class SchedulerSide:
     def _wants(request: "Request", what: str) -> bool:
         """The request's ``kv_transfer_params`` may say ``kvcache_load: false`` (compute,
         do not load from the tiers) or ``kvcache_save: false`` (store nothing of it)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return params.get(f"kvcache_{what}", True) is not False
+        return (getattr(request, "kv_transfer_params", None) or {}).get(f"kvcache_{what}", True) is not False
 
     # -- vLLM hooks ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -306,8 +307,7 @@ class SchedulerSide:
                                 publish=self.pinner.take_publish() if self.pinner else [])
         self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
-        cached = out.scheduled_cached_reqs
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
@@ -369,10 +369,10 @@ class SchedulerSide:
                     view.reject_shared(c.key)
 
     def get_stats(self) -> Optional[TieredKVStats]:
-        """Prompt tokens computed since the last report, by cause (``cache.explain``), and
-        requests by the path the cost model chose (``cache.vllm.planner``); the workers
-        report the tiers' counters."""
-        counts = {**self.explain.take_counts(), **self.planner.stats()}
+        """Prompt tokens computed since the last report, by cause (``cache.explain``), requests
+        by the path the cost model chose (``cache.vllm.planner``) and the tiers' miss-ratio
+        curves (``cache.curves``); the workers report the tiers' counters."""
+        counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats()}
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:
