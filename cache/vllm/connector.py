@@ -69,6 +69,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
+        self.kv_events = None  # the tiers' KV events for routers (cache.vllm.events), when vLLM publishes
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
         if layout.off_reason:
@@ -101,6 +102,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                      f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
             if layout.hybrid:
                 log.info("kvcache: hybrid KV cache groups: %s", layout.describe())
+            from cache.vllm.events import tier_events
+
+            self.kv_events = tier_events(vllm_config, config, namespaces[0].id, world, layout.hybrid,
+                                         self.scheduler_side.views[0])
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -180,10 +185,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def take_events(self):
+        return self.kv_events.take() if self.kv_events is not None else ()
 
     # -- scheduler role ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        found = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        state = self.kv_events and self.scheduler_side.requests.get(request.request_id)
+        if state:  # the request's chunks, for the events of the tiers that will store them
+            self.kv_events.seen(request, state.chunks)
+        return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -203,9 +217,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.scheduler_side.saves_settled(worker_meta.settled)
             self.scheduler_side.planner.observe(worker_meta.samples)
+            if self.kv_events is not None:
+                self.kv_events.apply(worker_meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         why = self.scheduler_side.explain_finished(request)
+        if self.kv_events is not None:
+            self.kv_events.finished(request.request_id)
         loaded = self.scheduler_side.request_finished(request)
         pinner = getattr(self.scheduler_side, "pinner", None)
         pin = pinner.finished(request) if pinner is not None else None
