@@ -120,7 +120,7 @@ def render(advice: list[Advice], prompt: float, amount: Callable[[float], str] =
         lines.append(f"  knee at {a.knee}x = {size(float(a.knee))} ({verdict}): "
                      f"{a.curve[a.knee]:.1%} ({100 * change:+.1f} points against now)")
         if a.saving_s is not None:
-            lines.append(f"  expected time to first token there: {-a.saving_s:+.3f} s per request "
+            lines.append(f"  expected time to first token there: {-a.saving_s or 0.0:+.3f} s per request "
                          f"(mean prompt {prompt:,.0f} tokens; the cost model's rates)")
         else:
             lines.append("  expected time to first token: unknown (no fitted rates yet, or no mean prompt)")
