@@ -139,10 +139,11 @@ class Bench:
         return self.rows.setdefault((scenario, size), Row(scenario, size))
 
     def engine(self, name: str, kv_transfer: Optional[dict], wait: bool = True,
-               log_stats: bool = False) -> EngineProcess:
-        """``log_stats``: vLLM's stat loggers on, so the engine answers ``op="metrics"``."""
+               log_stats: bool = False, kv_events: Optional[dict] = None) -> EngineProcess:
+        """``log_stats``: vLLM's stat loggers on, so the engine answers ``op="metrics"``;
+        ``kv_events``: vLLM's ``KVEventsConfig`` fields (its KV events published)."""
         spec = {"model": self.args.model_path, "dtype": DTYPE, "max_model_len": self.max_model_len,
-                "kv_transfer": kv_transfer, "log_stats": log_stats}
+                "kv_transfer": kv_transfer, "log_stats": log_stats, "kv_events": kv_events}
         log(f"[{name}] starting engine")
         e = EngineProcess(spec, os.path.join(self.logs, f"{name}.log"), env=self.engine_env, wait=wait)
         if not wait:
@@ -404,11 +405,14 @@ class Bench:
         engines = {}
         try:
             for name in names:  # all start at once (nothing is timed yet)
-                kv = None
+                kv = events = None
                 if name.startswith("with-"):
                     kv = peers.ours(os.path.join(self.shm, f"tput-{name}"), a.tput_dram_size,
                                     os.path.join(self.work, "tput-disk", name), a.disk_size)
-                engines[name] = self.engine(f"tput-{name}", kv, wait=False)
+                    if a.tput_kv_events:  # published to a local port nobody reads: the cost is ours
+                        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"tcp://*:{peers.free_port()}"}
+                engines[name] = self.engine(f"tput-{name}", kv, wait=False, kv_events=events)
             for name, e in engines.items():
                 e.wait_ready()
                 self.timings[f"start:tput-{name}"] = e.start_seconds
@@ -706,6 +710,8 @@ def parse_args(argv=None):
     p.add_argument("--tput-rounds", type=int, default=10)
     p.add_argument("--tput-instances", type=int, default=2, help="engines of each kind (with, without)")
     p.add_argument("--tput-dram-size", default="1GiB")
+    p.add_argument("--tput-kv-events", action="store_true",
+                   help="the engines with our connector publish vLLM's KV events (the tiers' too)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = "512,1024" if args.sizes == "1024,4096,8192" else args.sizes
@@ -871,7 +877,7 @@ def main(argv=None) -> int:
                        f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
             "throughput": {"prompts": args.tput_prompts, "len": args.tput_len,
                            "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds,
-                           "instances": args.tput_instances},
+                           "instances": args.tput_instances, "kv_events": args.tput_kv_events},
             "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib, "l3_bandwidth": args.l3_bandwidth,
         },
         "bandwidth": bench.bandwidth,

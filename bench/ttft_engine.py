@@ -54,6 +54,10 @@ def _engine(spec: dict):
     )
     if spec.get("kv_transfer"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
+    if spec.get("kv_events"):  # vLLM's KV events publisher (ours add the tiers' events)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     return LLM(**kwargs)
 
 

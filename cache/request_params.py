@@ -60,6 +60,11 @@ def wants(params: Optional[Any], key: str) -> bool:
     return not (isinstance(params, dict) and params.get(key) is False)
 
 
+def request_wants(request: Any, key: str) -> bool:
+    """``wants`` for a vLLM ``Request`` (scheduler side; its params may be absent)."""
+    return wants(getattr(request, "kv_transfer_params", None), key)
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:40] + "..."

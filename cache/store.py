@@ -678,6 +678,7 @@ class TieredStore:
             return False
         tier.delete(key)
         self.stats.tiers[tier.name].demotions += 1
+        self._note(key, "evicted", tier.name)  # (moved: stored below first)
         return True
 
     def _note(self, key: str, event: str, tier: str) -> None:
@@ -709,6 +710,10 @@ class TieredStore:
     @property
     def has_local(self) -> bool:
         return self.n_local > 0
+
+    def holds(self, tier: str, key: str) -> bool:
+        """Whether the tier named ``tier`` holds ``key`` now (one ``contains``)."""
+        return any(t.name == tier and t.contains(key) for t in self.tiers)
 
     @property
     def tier_names(self) -> list[str]:

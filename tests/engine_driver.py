@@ -9,6 +9,7 @@ builds it from its own ``KVCACHE_*`` environment (``spec["cache"]``, set here be
 starts its processes), with ``KVCACHE_LOAD_DECISION=always`` unless the spec sets it.
 
 Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
+       "kv_events": optional {KVEventsConfig fields},
        "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
                  {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
                  {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
@@ -198,9 +199,14 @@ def main() -> None:
 
     transfer = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
                                 kv_role="kv_both")
+    events = None
+    if spec.get("kv_events"):  # vLLM's KV events publisher (cache.vllm.events adds the tiers')
+        from vllm.config import KVEventsConfig
+
+        events = KVEventsConfig(**spec["kv_events"])
     llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
               enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
-              seed=0, disable_log_stats=not spec.get("log_stats", False))
+              seed=0, disable_log_stats=not spec.get("log_stats", False), kv_events_config=events)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):

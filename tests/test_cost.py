@@ -3,7 +3,7 @@
 import pytest
 
 from cache.cost import DEADLINE_MARGIN_S, ChunkCost, Fit, PrefillRate, TierRate, attention_pairs, choose, deadline
-from cache.vllm.planner import LoadPlanner
+from cache.vllm.planner import RATES_EVERY_S, LoadPlanner
 
 
 class Clock:
@@ -159,8 +159,15 @@ def test_planner_learns_from_worker_samples_and_counts_once():
     assert plan.path == "recompute"
     planner.issued("a")  # (a recompute plan issues no load; vLLM never calls back)
     planner.finished("a")
-    assert planner.stats() == {"plan:recompute.requests": 1}
-    assert planner.stats() == {}
+    stats = planner.stats()  # the counts and, the first time, the rates fitted
+    assert {k: v for k, v in stats.items() if not k.startswith("cost:")} == {"plan:recompute.requests": 1}
+    assert stats["cost:disk.load_seconds_per_token"] == pytest.approx(BYTES_PER_TOKEN / 50e6, rel=0.01)
+    assert stats["cost:prefill.seconds_per_token"] == pytest.approx(1e-5, rel=0.01)
+    assert planner.stats() == {}  # no new count, and the rates are not due yet
+    planner.observe([("load", "dram", 1 << 20, 1e-3)])  # a tier fitted for the first time: sent now
+    assert planner.stats()["cost:dram.load_latency_seconds"] >= 0
+    clock.t += RATES_EVERY_S
+    assert "cost:prefill.seconds_per_pair" in planner.stats()  # and again now and then
     plan = planner.plan("b", spans[:1], 4096, 3840)
     planner.issued("b")
     planner.finished("b")

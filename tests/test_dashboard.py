@@ -38,5 +38,5 @@ def test_every_panel_has_queries_over_our_series():
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for subject in ("hit ratio", "tokens served per tier", "time to first token", "misses by cause",
                     "tier usage", "evictions", "shared tier health", "kv bytes per request",
-                    "energy per generated token"):
+                    "energy per generated token", "miss-ratio curves"):
         assert subject in titles, subject

@@ -108,6 +108,11 @@ def test_a_disk_hit_loads_before_the_forward_pass_while_nothing_else_runs(setup)
     assert side.get_stats().data["plan:load.requests"] == 3
 
 
+def counts(stats) -> dict:
+    """The counts of a scheduler report, without the cost model's rates riding along."""
+    return {k: v for k, v in stats.data.items() if not k.startswith("cost:")}
+
+
 def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
     side, writer = setup
     stored(side, writer, 1500, lambda i: 1)
@@ -124,7 +129,7 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
     (load,) = side.build_connector_meta(output()).loads
     assert 0 < load.estimate_s < load.deadline_s
     side.request_finished(req)
-    assert side.get_stats().data == {"plan:recompute.requests": 1, "plan:load.requests": 1,
+    assert counts(side.get_stats()) == {"plan:recompute.requests": 1, "plan:load.requests": 1,
                                      "miss:recompute:none": 1499}
 
 
@@ -149,7 +154,7 @@ def test_a_fast_tier_prefix_loads_and_the_slow_rest_is_recomputed(setup):
     assert [(r["tokens"], r.get("from") or r.get("computed")) for r in why] == [
         ([0, 512], "dram"), ([512, 1499], "recompute")]
     side.request_finished(req)
-    assert side.get_stats().data == {"plan:partial.requests": 1, "miss:recompute:none": 1499 - 512}
+    assert counts(side.get_stats()) == {"plan:partial.requests": 1, "miss:recompute:none": 1499 - 512}
 
 
 def test_step_compute_goes_to_the_workers(setup):

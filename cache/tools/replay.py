@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
+from cache.curves import serve
 from cache.policy import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
 from cache.tools.trace import (BLOCK_TOKENS, Request, capacity_for_fraction, distinct_blocks,
@@ -119,7 +120,6 @@ def replay(
         raise ValueError("capacity_blocks must be >= 1")
     hit_tokens = prompt_tokens = hit_blocks = lookups = 0
     begin = policy.begin_request if isinstance(policy, OfflinePolicy) else None
-    offer = policy.offer
 
     def reserve() -> bool:
         return len(policy) < capacity_blocks
@@ -140,26 +140,11 @@ def replay(
                 policy.hint_upcoming(
                     k for r in requests[i + 1 : hint_end] for k in r.hash_ids
                 )
-        # Lookup: the leading run of present blocks.
-        hits = 0
-        for key in ids:
-            lookups += 1
-            if key not in policy:
-                break
-            policy.touch(key)
-            hits += 1
+        hits = serve(policy, ids, reserve)  # the leading run hits; the rest is stored
+        lookups += len(ids) + (hits < len(ids))
         prompt_tokens += req.input_length
         hit_tokens += min(hits * BLOCK_TOKENS, req.input_length)
         hit_blocks += hits
-        # Store: every block not present, in order, if admitted.
-        parent = ids[hits - 1] if hits else None
-        for key in ids[hits:]:
-            lookups += 1
-            if key not in policy:
-                offer(key, parent, 1, reserve)
-            else:
-                policy.seen(key, parent)
-            parent = key
     seconds = time.perf_counter() - t0
     return ReplayResult(
         policy=name or getattr(policy, "name", type(policy).__name__),

@@ -47,6 +47,13 @@ def save_trace(path: str, requests: Iterable[Request]) -> None:
                                  "output_length": 0, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
+def block_tokens(request: Request) -> List[int]:
+    """Prompt tokens in each block of ``request`` (512 each, the last one partial), so
+    that the first ``h`` of them add up to ``min(h * 512, input_length)``."""
+    n = request.input_length
+    return [max(0, min(BLOCK_TOKENS, n - i * BLOCK_TOKENS)) for i in range(len(request.hash_ids))]
+
+
 def distinct_blocks(requests: Iterable[Request]) -> int:
     seen = set()
     for r in requests:

@@ -97,6 +97,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.scheduler_side = self.worker_side = None
         self._fence_after_save = False
+        self.kv_events = None  # the tiers' KV events for routers (cache.vllm.events), when vLLM publishes
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
         off_reason = context_parallel_reason(parallel, block_size) or layout.off_reason
@@ -112,22 +113,28 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A cache never fails a request: a chunk that cannot be loaded is recomputed.
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"
+            from cache.curves import tier_curves
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
             namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
                           for r in range(world)]
-            pinner = Pinner(config, [ns.id for ns in namespaces],
-                            chunk_entry_bytes(kv_cache_config, config.chunk_tokens))
+            entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
+            pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
                                                 vllm_config.cache_config.prefix_cache_retention_interval,
-                                                bytes_per_block(kv_cache_config), pinner)
+                                                bytes_per_block(kv_cache_config), pinner,
+                                                tier_curves(config, entry_bytes * world))
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
                      f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
             if layout.hybrid:
                 log.info("kvcache: hybrid KV cache groups: %s", layout.describe())
+            from cache.vllm.events import tier_events
+
+            self.kv_events = tier_events(vllm_config, config, namespaces[0].id, world, layout.hybrid,
+                                         self.scheduler_side.views[0])
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -216,10 +223,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def take_events(self):
+        return self.kv_events.take() if self.kv_events is not None else ()
 
     # -- scheduler role ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        found = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        state = self.kv_events and self.scheduler_side.requests.get(request.request_id)
+        if state:  # the request's chunks, for the events of the tiers that will store them
+            self.kv_events.seen(request, state.chunks)
+        return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -243,9 +259,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(worker_meta, TieredKVWorkerMetadata):
             self.scheduler_side.saves_settled(worker_meta.settled)
             self.scheduler_side.planner.observe(worker_meta.samples)
+            if self.kv_events is not None:
+                self.kv_events.apply(worker_meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         why = self.scheduler_side.explain_finished(request)
+        if self.kv_events is not None:
+            self.kv_events.finished(request.request_id)
         loaded = self.scheduler_side.request_finished(request)
         pinner = getattr(self.scheduler_side, "pinner", None)
         pin = pinner.finished(request) if pinner is not None else None

@@ -22,7 +22,12 @@ exported as ``kvcache:tier_write_failures_total{tier,cause}``, and
 ``{"load:<mode>.<field>": n}`` per load mode (``sync``, ``layered``, ``async``): loads, their
 seconds, the cost model's estimate against the measured seconds of the loads it
 estimated, and loads cut short at their deadline (``PLAN_COUNTERS``;
-``cache.vllm.load_costs``).
+``cache.vllm.load_costs``). The scheduler also reports the tiers' miss-ratio curves
+(``cache.curves``): ``{"curve:<tier>:<size>.hit_ratio": r}`` (a level,
+``kvcache:curve_hit_ratio{tier,size}``), ``{"curve:<tier>.sample_rate": r}`` (a level) and
+``{"curve:<tier>.tokens": n}`` (``kvcache:curve_tokens_total{tier}``), and the cost
+model's fitted rates, ``{"cost:<tier>.<rate>": x}`` and ``{"cost:prefill.<rate>": x}``
+(levels, ``COST_RATES``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-LEVELS = ("used_bytes", "capacity_bytes", "enabled")
+LEVELS = ("used_bytes", "capacity_bytes", "enabled", "hit_ratio", "sample_rate", "load_latency_seconds",
+          "load_seconds_per_token", "seconds_per_token", "seconds_per_pair")
+# The cost model's fitted rates (``cache.vllm.planner.LoadPlanner.rates``): field -> (metric,
+# documentation); a tier's carry the label ``tier``, the engine's prefill none.
+COST_RATES = {
+    "load_latency_seconds": ("kvcache:cost_load_latency_seconds", "The cost model's fitted latency of a load "
+                             "from the tier"),
+    "load_seconds_per_token": ("kvcache:cost_load_seconds_per_token", "The cost model's fitted seconds per "
+                               "token loaded from the tier (one rank's share of the token's KV)"),
+    "seconds_per_token": ("kvcache:cost_prefill_seconds_per_token", "The cost model's fitted prefill "
+                          "seconds per token computed"),
+    "seconds_per_pair": ("kvcache:cost_prefill_seconds_per_pair", "The cost model's fitted prefill seconds "
+                         "per attention pair (query token x earlier token)"),
+}
 
 COUNTERS = {
     "hits": "Chunk reads served by the tier",
@@ -92,9 +110,10 @@ class TieredKVStats(KVConnectorStats):
         return dict(self.data)
 
     def is_empty(self) -> bool:
-        # levels alone ride along with counters, except the cache-off report
+        # levels alone ride along with counters, except the cache-off report and the cost
+        # model's rates (sent when first fitted, then now and then)
         return "all.enabled" not in self.data and not any(
-            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS)
+            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS or k.startswith("cost:"))
 
 
 def counts_requests(key: str) -> bool:
@@ -150,6 +169,19 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
         }
         self._plan = {key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames + [label])
                       for key, (name, label, doc) in PLAN_COUNTERS.items()}
+        self._curve = {
+            "hit_ratio": self._gauge_cls(
+                name="kvcache:curve_hit_ratio", labelnames=names + ["size"],
+                documentation="Token hit ratio the traffic seen so far would get from the tier at this "
+                              "multiple of its configured size (sampled simulation: cache/curves.py)"),
+            "sample_rate": self._gauge_cls(name="kvcache:curve_sample_rate", labelnames=names,
+                                           documentation="Share of chunks the tier's curve simulates"),
+            "tokens": self._counter_cls(name="kvcache:curve_tokens", labelnames=names,
+                                        documentation="Prompt tokens the tier's curve has seen"),
+        }
+        self._rates = {field: self._gauge_cls(name=name, documentation=doc,
+                                              labelnames=labelnames + (["tier"] if field.startswith("load") else []))
+                       for field, (name, doc) in COST_RATES.items()}
         self._enabled = self._gauge_cls(
             name="kvcache:enabled", labelnames=labelnames,
             documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
@@ -163,6 +195,19 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
                 label, _, field = rest.rpartition(".")
                 if value > 0:
                     self._plan[(prefix, field)].labels(*labels, label).inc(value)
+                continue
+            if prefix == "curve":  # "curve:<tier>.tokens", "curve:<tier>[:<size>].<level>"
+                label, _, field = rest.rpartition(".")
+                if field == "tokens":
+                    if value > 0:
+                        self._curve[field].labels(*labels, label).inc(value)
+                elif field in self._curve:
+                    self._curve[field].labels(*labels, *label.split(":", 1)).set(value)
+                continue
+            if prefix == "cost":  # "cost:<tier>.load_<rate>", "cost:prefill.<rate>"
+                label, _, field = rest.rpartition(".")
+                if field in self._rates:
+                    self._rates[field].labels(*labels, *([label] if field.startswith("load") else [])).set(value)
                 continue
             if key.startswith(("miss:", "write_failure:")):
                 kind, cause, tier = key.split(":", 2)

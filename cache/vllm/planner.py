@@ -10,7 +10,9 @@ load from a memory tier runs before the forward pass, any other asynchronously w
 other requests run, with a deadline past which the rest is recomputed.
 
 Counts what it chose, per request and path, and the estimated and measured load times
-(the workers report the latter), for the connector's metrics (``stats``).
+(the workers report the latter), for the connector's metrics (``stats``), with the rates
+it fitted (when a tier or the prefill is first fitted, then every ``RATES_EVERY_S``: what
+``cache.tools.advise`` prices tokens with).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from cache.cost import ChunkCost, Plan, PrefillRate, TierRate, attention_pairs, choose
+
+RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
 
 
 class LoadPlanner:
@@ -39,6 +43,9 @@ class LoadPlanner:
         self._issued: set[str] = set()
         self._counts: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._clock = clock
+        self._rates_at = 0.0
+        self._fitted: set[str] = set()      # what the last rates reported had fitted
 
     # -- deciding ------------------------------------------------------------------
     def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int,
@@ -103,10 +110,37 @@ class LoadPlanner:
 
     # -- metrics ---------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Counts since the last call, flat (``cache.vllm.metrics``: label ``plan``)."""
+        """Counts since the last call, flat (``cache.vllm.metrics``: label ``plan``), and
+        every ``RATES_EVERY_S`` the fitted rates (``rates``)."""
         with self._lock:
             out, self._counts = self._counts, {}
-        return {f"plan:{k}": v for k, v in out.items()}
+        stats = {f"plan:{k}": v for k, v in out.items()}
+        fitted = {name for name, rate in self.tiers.items() if rate.fit.samples}
+        if self.prefill.fit.samples:
+            fitted.add("prefill")
+        now = self._clock()
+        if fitted and (fitted != self._fitted or now - self._rates_at >= RATES_EVERY_S):
+            self._rates_at, self._fitted = now, fitted
+            stats.update(self.rates())
+        return stats
+
+    def rates(self) -> dict[str, float]:
+        """What the cost model has fitted so far (levels; none before a fit): per tier, a
+        load's latency and seconds per token loaded (``cost:<tier>.load_latency_seconds``,
+        ``.load_seconds_per_token``: one rank's bytes of a token, as loads are timed), and
+        the engine's prefill seconds per token and per attention pair
+        (``cost:prefill.seconds_per_token``, ``.seconds_per_pair``; ``cache.cost``)."""
+        out: dict[str, float] = {}
+        for name, rate in self.tiers.items():
+            w = rate.fit.weights()
+            if w is not None and self.bytes_per_block:
+                out[f"cost:{name}.load_latency_seconds"] = float(w[0])
+                out[f"cost:{name}.load_seconds_per_token"] = float(w[1]) * self.bytes_per_block / self.block_size
+        w = self.prefill.fit.weights()
+        if w is not None:
+            out["cost:prefill.seconds_per_token"] = float(w[1])
+            out["cost:prefill.seconds_per_pair"] = float(w[2])
+        return out
 
 
 def bytes_per_block(kv_cache_config) -> int:

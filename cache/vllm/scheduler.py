@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
 from cache.config import CacheConfig
+from cache.curves import Curves
 from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, chunk_keys
-from cache.request_params import wants
+from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
@@ -99,10 +100,11 @@ class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
-                 pinner: Optional[Pinner] = None) -> None:
+                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None) -> None:
         """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
+        self.curves = curves or Curves({}, config.policy)  # miss-ratio curves (cache.curves)
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -146,8 +148,8 @@ class SchedulerSide:
             st = self.requests[request.request_id] = RequestState(request)
         tokens = request.prompt_token_ids or []
         if st.n_tokens != len(tokens):
-            st.chunks = self._cut(tokens, request)
-            st.n_tokens = len(tokens)
+            st.chunks, st.n_tokens = self._cut(tokens, request), len(tokens)
+            self.curves.observe(st.chunks)  # once per request: the prompt does not change
             if self.layout.windows:
                 st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
                                              self.chunk, self.retention_interval)
@@ -176,11 +178,6 @@ class SchedulerSide:
         # Multimodal inputs and prompt embeddings change the KV, not the token ids: never cached.
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
-    @staticmethod
-    def _wants(request: "Request", what: str) -> bool:
-        """``kvcache_load: false`` / ``kvcache_save: false`` (``cache.request_params``)."""
-        return wants(getattr(request, "kv_transfer_params", None), f"kvcache_{what}")
-
     # -- vLLM hooks ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         if not self._cacheable(request):
@@ -189,7 +186,7 @@ class SchedulerSide:
         st.pending_load = None
         if self.pinner is not None:
             self.pinner.offer(request, st.chunks, st.n_tokens)
-        if not self._wants(request, "load"):
+        if not request_wants(request, LOAD):
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
@@ -243,7 +240,7 @@ class SchedulerSide:
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
         return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
                                       [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
-                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
+                                      prefix_salt(st.request), load, request_wants(st.request, SAVE))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -307,8 +304,7 @@ class SchedulerSide:
                                 publish=self.pinner.take_publish() if self.pinner else [])
         self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
-        cached = out.scheduled_cached_reqs
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
@@ -316,7 +312,7 @@ class SchedulerSide:
             del self._saving[next(iter(self._saving))]
         for req_id, computed in scheduled:
             st = self.requests.get(req_id)
-            if st is None or not st.chunks or not self._wants(st.request, "save"):
+            if st is None or not st.chunks or not request_wants(st.request, SAVE):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
             block_ids = null = None
@@ -370,9 +366,10 @@ class SchedulerSide:
                     view.reject_shared(c.key)
 
     def get_stats(self) -> Optional[TieredKVStats]:
-        """Prompt tokens computed since the last report, by cause (``cache.explain``), and
-        requests by the path the cost model chose (``cache.vllm.planner``)."""
-        counts = {**self.explain.take_counts(), **self.planner.stats()}
+        """Prompt tokens computed since the last report, by cause (``cache.explain``), requests
+        by the path the cost model chose (``cache.vllm.planner``) and the tiers' miss-ratio
+        curves (``cache.curves``); the workers report the tiers' counters."""
+        counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats()}
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:
