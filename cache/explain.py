@@ -20,7 +20,14 @@ deadline ...) as small events, shipped with the step's output (``TieredKVWorkerM
 forgotten first: a chunk beyond that horizon is explained as ``never_stored``). A
 second bounded record remembers, per salt-free chunk key, which salt (or LoRA adapter)
 last stored those tokens, so a miss that another tenant's entry would have served is
-``other_namespace``. Both hold 16-byte-hex keys and short strings: a few MB at most.
+counted as ``other_namespace``. Both hold 16-byte-hex keys and short strings: a few MB.
+
+Per tenant: a request sees only its own namespace (its model, ``cache_salt`` and
+adapter). Its fates are keyed by its own chunk keys, and a prefix held under another
+salt or adapter is ``never_stored`` to it (``HIDDEN``): telling it ``other_namespace``
+would tell a tenant whether its guess of another tenant's prompt is right, the very
+thing ``cache_salt`` hides. Operators see those tokens in the aggregate counts only
+(``take_counts``: ``kvcache:misses_total{cause="other_namespace"}``), never per request.
 
 A cause added later (a pin refused, say) is one entry in ``CAUSES`` and one event name a
 worker sends; nothing else changes.
@@ -42,7 +49,8 @@ CAUSES = {                                      # why KV was computed instead
     "evicted": "removed by the tier's eviction policy (or by another process sharing the folder)",
     "not_admitted": "not stored: the tier's admission policy refused it, it did not fit the tier, its "
                     "save was dropped (queue full), or the request said kvcache_save: false",
-    "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter",
+    "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter (counted "
+                       "on /metrics only: the request itself is told never_stored)",
     "damaged": "the entry failed its checks (header, checksum, size, layout) and was dropped",
     "unsigned": "the entry was unsigned or signed with another KVCACHE_SIGNING_KEY",
     "writing": "its save was still being written (write-behind, or a publish to the shared tier)",
@@ -60,6 +68,7 @@ MISSING = "missing"   # a load found the chunk on no tier (explained as "evicted
 MAX_RECORDS = 32768   # chunk keys remembered, per record (256-token chunks: 8M tokens)
 REJECTED = ("damaged", "unsigned")   # a tier found the entry bad and dropped it
 SHARED_FAILED = ("shared_unreachable", "load_timeout", MISSING)   # a fallback read came to nothing
+HIDDEN = {"other_namespace": "never_stored"}   # counted as the key, shown to the request as the value
 
 
 class Bounded(OrderedDict):
@@ -223,10 +232,15 @@ class Explainer:
         usable = look.tokens - 1
         ranges: list[list] = []
 
+        hidden: Counter = Counter()   # tokens per cause the request is not told (HIDDEN)
+
         def add(start: int, end: int, what: str, tier: str, source: bool) -> None:
             start, end = max(start, 0), min(end, usable)
             if end <= start:
                 return
+            if what in HIDDEN:
+                hidden[what] += end - start
+                what = HIDDEN[what]
             if ranges and ranges[-1][2:] == [what, tier, source] and ranges[-1][1] == start:
                 ranges[-1][1] = end
             else:
@@ -253,6 +267,9 @@ class Explainer:
                 continue
             self.missed[(what, tier)] += end - start
             out.append({"tokens": [start, end], "computed": what, **({"tier": tier} if tier != NO_TIER else {})})
+        for cause, n in hidden.items():  # counted under their own cause, for operators
+            self.missed[(HIDDEN[cause], NO_TIER)] -= n
+            self.missed[(cause, NO_TIER)] += n
         return out
 
     def _failure(self, key: str, planned: str) -> tuple[str, str]:

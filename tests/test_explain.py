@@ -20,6 +20,10 @@ from tests.test_scheduler_side import BLOCK, CHUNK, Blocks, output, request
 
 @pytest.fixture
 def setup(tmp_path):
+    return make_setup(tmp_path)
+
+
+def make_setup(tmp_path):
     cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB",
                               "KVCACHE_SIGNING_KEY": "k"})
@@ -93,15 +97,44 @@ def test_evicted_for_good_names_the_tier_it_left(setup):
     assert run(side, writer, settle, request("b", 600))[0] == (0, 256, "evicted", "disk")
 
 
+def salted(req_id, n, salt, seed=0):
+    req = request(req_id, n, seed)
+    req.cache_salt = salt
+    return req
+
+
 def test_another_salt_holds_the_tokens(setup):
+    """A prefix held under another salt is never_stored to the request; operators see it
+    counted as other_namespace."""
     side, writer, settle = setup
-    salted = request("a", 600)
-    salted.cache_salt = "tenant-a"
-    run(side, writer, settle, salted)
-    assert run(side, writer, settle, request("b", 600)) == [(0, 599, "other_namespace", None)]
-    again = request("c", 600)
-    again.cache_salt = "tenant-a"
-    assert run(side, writer, settle, again) == [(0, 599, "dram", None)]
+    run(side, writer, settle, salted("a", 600, "tenant-a"))
+    side.explain.take_counts()
+    assert run(side, writer, settle, request("b", 600)) == [(0, 599, "never_stored", None)]
+    assert side.explain.take_counts() == {"miss:other_namespace:none": 599}
+    assert run(side, writer, settle, salted("c", 600, "tenant-a")) == [(0, 599, "dram", None)]
+
+
+@pytest.mark.parametrize("guesser", ["tenant-b", None])
+def test_a_guess_of_another_tenants_prompt_learns_nothing(tmp_path, guesser):
+    """The guess oracle: a right and a wrong guess of tenant A's prompt, from another salt
+    or from none, get the same explanation (a guess right in its first chunk only too).
+    Each guess is the guesser's first request, on a cache where A's prompt is stored."""
+    secret = salted("a", 700, "tenant-a", seed=1).prompt_token_ids
+    other = request("x", 700, seed=2).prompt_token_ids
+    seen = []
+    for i, guess in enumerate((secret, other, secret[:256] + other[256:])):
+        side, writer, settle = make_setup(tmp_path / str(i))
+        run(side, writer, settle, salted("a", 700, "tenant-a", seed=1))
+        req = request("g", 700)
+        req.prompt_token_ids = req.all_token_ids = list(guess)
+        req.cache_salt = guesser
+        side.explain.take_counts()
+        seen.append((run(side, writer, settle, req), side.explain.take_counts()))
+    assert seen[0][0] == seen[1][0] == seen[2][0] == [(0, 699, "never_stored", None)]
+    # operators' aggregate: what another namespace held, and what nobody did
+    assert [counts for _, counts in seen] == [{"miss:other_namespace:none": 699},
+                                              {"miss:never_stored:none": 699},
+                                              {"miss:other_namespace:none": 256, "miss:never_stored:none": 443}]
 
 
 def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
