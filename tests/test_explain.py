@@ -172,6 +172,51 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     assert run(side, writer, settle, request("e", 600, seed=5))[-1][2:] == ("unsigned", "dram")
 
 
+def damage(path):
+    raw = bytearray(open(path, "rb").read())
+    raw[HEADER_SIZE] ^= 0xFF
+    open(path, "wb").write(raw)
+
+
+def test_a_hit_is_named_after_the_tier_that_served_it(setup):
+    """The lookup finds DRAM; its copy is damaged, so the worker's read falls back to the
+    disk copy, which serves: the explanation and the loaded tokens say disk. A later
+    request served from DRAM as planned is not told about that earlier fallback."""
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    keys = list(side.explain.fates.last)[:2]
+    writer.persist(keys)  # on disk too
+    settle()
+    damage(writer.tiers[0].path(keys[0]))
+    for name, expect in (("b", "disk"), ("c", "dram")):  # b's read promotes the disk copy back up
+        req = request(name, 600)
+        n, _ = side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, Blocks(list(range(12))), n)
+        (load,) = side.build_connector_meta(output()).loads
+        assert [c.tier for c in load.chunks] == ["dram", "dram", "dram"]
+        for chunk in load.chunks:  # the worker's loads (cache.vllm.worker._loaded)
+            entry = writer.get(chunk.key)
+            writer.note_loaded(entry.tier, chunk.tokens, chunk.key, chunk.tier)
+        settle()
+        why = [(r["tokens"], r.get("from")) for r in side.explain_finished(req)]
+        loaded = side.request_finished(req)
+        if expect == "disk":
+            assert why == [([0, 256], "disk"), ([256, 599], "dram")] and loaded == {"disk": 256, "dram": 343}
+        else:
+            assert why == [([0, 599], "dram")] and loaded == {"dram": 599}
+
+
+def test_a_request_that_skips_the_prefix_cache_loads_nothing(setup):
+    """vLLM drops the hit of a request with prompt_logprobs (skip_reading_prefix_cache):
+    nothing is planned, and the explanation says recompute."""
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    req = request("b", 600)
+    req.skip_reading_prefix_cache = True
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert run(side, writer, settle, req) == [(0, 599, "recompute", None)]
+
+
 def test_a_request_failed_whole_loaded_nothing(setup):
     """Hybrid models' loads fail per request (vLLM computes it all again)."""
     side, writer, settle = setup

@@ -192,7 +192,7 @@ class SchedulerSide:
         st.pending_load = None
         if self.pinner is not None:
             self.pinner.offer(request, st.chunks, st.n_tokens)
-        if not self._wants(request, "load"):
+        if not self._wants(request, "load") or getattr(request, "skip_reading_prefix_cache", False):  # (prompt_logprobs)
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
@@ -382,9 +382,9 @@ class SchedulerSide:
         if st is None:
             return []
         ranges = self.explain.finished(st.why)
-        if ranges and st.why is not None and st.why.failed is not None:
-            # A load failed: vLLM computed that chunk and every later one, so only the
-            # ranges the explanation still names a tier for were loaded.
+        if ranges and st.why is not None and (st.why.failed is not None or st.why.moved):
+            # What was loaded, and from where: after a failed load only the ranges before
+            # it (vLLM computed the rest); a chunk from the tier that served it.
             st.loaded_tokens = {}
             for r in ranges:
                 if r.get("from") in self.tier_names:
