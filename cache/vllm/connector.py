@@ -39,7 +39,7 @@ from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
 from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from cache.vllm.namespace import engine_namespace
+from cache.vllm.namespace import engine_namespace, weights_id
 from cache.vllm.off import CacheOff
 from cache.vllm.planner import bytes_per_block
 
@@ -77,6 +77,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
                             "cache", vllm_config.model_config.model, layout.off_reason)
             return
+        weights = weights_id(vllm_config, config)  # the weights' fingerprint, in every namespace
         if role == KVConnectorRole.SCHEDULER:
             from cache.vllm.scheduler import SchedulerSide
 
@@ -85,7 +86,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy = "recompute"
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
-            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
+            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r, weights=weights)
                           for r in range(world)]
             pinner = Pinner(config, [ns.id for ns in namespaces],
                             chunk_entry_bytes(kv_cache_config, config.chunk_tokens))
@@ -106,7 +107,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
             # This worker's parallel rank: tensor-parallel rank within its pipeline stage.
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
-            ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
+            ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank, weights=weights)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
 
     @property

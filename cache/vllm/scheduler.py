@@ -47,7 +47,7 @@ from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, win
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
-from cache.vllm.namespace import prefix_salt
+from cache.vllm.namespace import Salts
 from cache.vllm.pinning import Pinner
 from cache.vllm.planner import LoadPlanner
 
@@ -109,7 +109,7 @@ class SchedulerSide:
         self.layout = layout or GroupLayout.single(block_size)
         self.retention_interval = retention_interval
         self.chunk = config.chunk_tokens
-        self.chain = namespaces[0].chain_digest
+        self.chain, self.salt = namespaces[0].chain_digest, Salts(config.weights_hash)  # salt: cache_salt + adapter
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
         self.views = [lookup_view(config, ns) for ns in namespaces]
         # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
@@ -161,7 +161,7 @@ class SchedulerSide:
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
-        salt = prefix_salt(request)
+        salt = self.salt(request)
         n, c = len(tokens), self.chunk
         full, tail = divmod(n, c)
         if tail < 2:  # a one-token tail would load nothing: the last token is always computed
@@ -246,7 +246,7 @@ class SchedulerSide:
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
         return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
                                       [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
-                                      prefix_salt(st.request), load, self._wants(st.request, "save"))
+                                      self.salt(st.request), load, self._wants(st.request, "save"))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
