@@ -28,7 +28,7 @@ one rule, in ``cache.dram``.
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
 an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``,
-``cache.dram``, ``cache.prompts`` and ``cache.tiers.layout``.
+``cache.dram``, ``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from typing import Any, Mapping, Optional
 
 from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, GiB, dram_tier
 from cache.prompts import read_prompt_file
-from cache.sizes import ConfigError, check_writable, memory_limit, parse_size, room_for_tier
+from cache.sizes import ConfigError, disk_tier_bytes, memory_limit, parse_size
+from cache.weights import MODES as WEIGHTS_HASHES
 
 __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
            "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
@@ -60,7 +61,7 @@ SETTINGS = (
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_LOAD_DECISION",
-    "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS",
+    "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -134,6 +135,11 @@ class CacheConfig:
     # (cache.vllm.layered): the forward pass computes layer i while layer i+1 loads.
     # False: the whole load first (CPU blocks only; other loads always are whole).
     layered_loads: bool = True
+    # What identifies the model's weights in the namespace (cache.weights): "sampled" (file
+    # sizes, safetensors headers, a piece of every tensor: a few MiB read) or "full" (every byte).
+    weights_hash: str = "sampled"
+    # That fingerprint, taken once by the server for every process ("": each process takes it).
+    weights_fingerprint: str = ""
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
     signing_key: str = field(default="", repr=False)
@@ -282,7 +288,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     dram_path, dram_bytes = dram_tier(r.get("KVCACHE_DRAM_SIZE"), r.get("KVCACHE_DRAM_PATH"), ram,
                                       reserved_ram_bytes, entry, notes)
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
-    disk_bytes = _disk_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
+    disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     disk_direct_reads = _bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
     conf, masters = _curvine_client(r, url)
@@ -296,6 +302,9 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     if load_decision not in LOAD_DECISIONS:
         raise ConfigError(f"KVCACHE_LOAD_DECISION={load_decision!r} must be one of {', '.join(LOAD_DECISIONS)}")
     layered_loads = _bool(r, "KVCACHE_LAYERED_LOADS", d.layered_loads)
+    weights_hash = (r.get("KVCACHE_WEIGHTS_HASH") or d.weights_hash).lower()
+    if weights_hash not in WEIGHTS_HASHES:
+        raise ConfigError(f"KVCACHE_WEIGHTS_HASH={weights_hash!r} must be one of {', '.join(WEIGHTS_HASHES)}")
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
@@ -305,23 +314,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
                        pin_max=pin_max, load_decision=load_decision, layered_loads=layered_loads,
-                       signing_key=signing_key, notes=tuple(notes))
-
-
-def _disk_bytes(size_text: str, path: str) -> int:
-    """Resolve the disk tier's size against the room its folder has."""
-    name = "KVCACHE_DISK_SIZE"
-    if parse_size(size_text, 100, name) == 0:
-        return 0  # tier disabled: its folder is never touched
-    check_writable(path, "KVCACHE_DISK_PATH")
-    room = room_for_tier(path)
-    nbytes = parse_size(size_text, room, name)
-    if nbytes > room:
-        raise ConfigError(
-            f"{name}={size_text} ({nbytes:,} bytes) is above the free space under "
-            f"{path!r} ({room:,} bytes); lower it or give a percentage"
-        )
-    return nbytes
+                       weights_hash=weights_hash, signing_key=signing_key, notes=tuple(notes))
 
 
 _HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")

@@ -15,12 +15,24 @@ computed (``CAUSES``), with the tier concerned where one is::
 
 What the scheduler cannot see itself, the workers tell it: each worker's store reports
 what happens to each chunk (stored, evicted, refused, found damaged, a read past its
-deadline ...) as small events, shipped with the step's output (``TieredKVWorkerMetadata``).
+deadline, loaded from another tier than planned ...) as small events, shipped with the
+step's output (``TieredKVWorkerMetadata``). A hit is named after the tier that served it:
+the one the lookup found, or the one a worker's read fell back to (``SERVED``: a DRAM copy
+found damaged, the shared tier's served). (vLLM hands a step's output to the connector
+after the requests that finished in it: a request done within the step of its load, one
+generated token, is named after the tier it was planned from.)
 ``Fates`` keeps the last event per chunk key and tier, bounded (``MAX_RECORDS`` keys, oldest
 forgotten first: a chunk beyond that horizon is explained as ``never_stored``). A
 second bounded record remembers, per salt-free chunk key, which salt (or LoRA adapter)
 last stored those tokens, so a miss that another tenant's entry would have served is
-``other_namespace``. Both hold 16-byte-hex keys and short strings: a few MB at most.
+counted as ``other_namespace``. Both hold 16-byte-hex keys and short strings: a few MB.
+
+Per tenant: a request sees only its own namespace (its model, ``cache_salt`` and
+adapter). Its fates are keyed by its own chunk keys, and a prefix held under another
+salt or adapter is ``never_stored`` to it (``HIDDEN``): telling it ``other_namespace``
+would tell a tenant whether its guess of another tenant's prompt is right, the very
+thing ``cache_salt`` hides. Operators see those tokens in the aggregate counts only
+(``take_counts``: ``kvcache:misses_total{cause="other_namespace"}``), never per request.
 
 A cause added later (a pin refused, say) is one entry in ``CAUSES`` and one event name a
 worker sends; nothing else changes.
@@ -42,24 +54,27 @@ CAUSES = {                                      # why KV was computed instead
     "evicted": "removed by the tier's eviction policy (or by another process sharing the folder)",
     "not_admitted": "not stored: the tier's admission policy refused it, it did not fit the tier, its "
                     "save was dropped (queue full), or the request said kvcache_save: false",
-    "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter",
+    "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter (counted "
+                       "on /metrics only: the request itself is told never_stored)",
     "damaged": "the entry failed its checks (header, checksum, size, layout) and was dropped",
     "unsigned": "the entry was unsigned or signed with another KVCACHE_SIGNING_KEY",
     "writing": "its save was still being written (write-behind, or a publish to the shared tier)",
     "load_timeout": "its load from the shared tier ran past KVCACHE_SHARED_TIMEOUT_MS",
     "shared_unreachable": "the shared tier was down or failed the call (a publish past its "
                           "deadline too: it is abandoned)",
-    "recompute": "chosen to recompute: the request said kvcache_load: false, or loading was "
-                 "judged slower than computing",
+    "recompute": "chosen to recompute: the request said kvcache_load: false, or asked for "
+                 "prompt_logprobs (vLLM then reads no cached KV), or loading was judged slower than computing",
     "after_miss": "stored, but an earlier chunk of the prompt was not: KV loads only as a prefix",
 }
 NO_TIER = "none"      # a cause that concerns no one tier
 STORED = "stored"     # a worker event that is no cause: the chunk is on that tier
 PUBLISHING = "publishing"   # queued for the shared tier (explained as "writing")
 MISSING = "missing"   # a load found the chunk on no tier (explained as "evicted")
+SERVED = "served"     # a load was served by this tier, not the one planned (a worker event)
 MAX_RECORDS = 32768   # chunk keys remembered, per record (256-token chunks: 8M tokens)
 REJECTED = ("damaged", "unsigned")   # a tier found the entry bad and dropped it
 SHARED_FAILED = ("shared_unreachable", "load_timeout", MISSING)   # a fallback read came to nothing
+HIDDEN = {"other_namespace": "never_stored"}   # counted as the key, shown to the request as the value
 
 
 class Bounded(OrderedDict):
@@ -136,6 +151,8 @@ class Lookup:
     failed: Optional[str] = None              # first chunk whose load failed
     failure: tuple[str, str] = ("evicted", NO_TIER)  # why it failed: (cause, tier)
     recompute_from: Optional[int] = None      # first chunk chosen to recompute
+    seen: int = 0                             # SERVED events received before this lookup
+    moved: bool = False                       # a chunk was served by another tier than found
 
 
 class Explainer:
@@ -152,11 +169,16 @@ class Explainer:
         self.shared_up = shared_up
         self.fates = Fates(limit)
         self.salts = Bounded(limit)               # salt-free key -> salt tag that stored it
+        self.served = Bounded(limit)              # key -> (SERVED event number, tier) of its last one
+        self.served_events = 0
         self.missed: Counter = Counter()          # (cause, tier) -> tokens, since take_counts
 
     # -- what happens to chunks -------------------------------------------------------
     def worker_events(self, events: Sequence[tuple[str, str, str]]) -> None:
-        self.fates.apply(events)
+        for key, _event, tier in (e for e in events if e[1] == SERVED):
+            self.served_events += 1
+            self.served.put(key, (self.served_events, tier))
+        self.fates.apply(e for e in events if e[1] != SERVED)
 
     # -- one request ------------------------------------------------------------------
     def looked_up(self, tokens: Sequence[int], l0: int, chunks: list[tuple[str, int, int]],
@@ -169,7 +191,8 @@ class Explainer:
         if salt and chunks:
             tail = chunks[-1][2] - chunks[-1][1] if chunks[-1][2] - chunks[-1][1] < self.chunk else 0
             plain = chunk_keys(self.chain, tokens[: chunks[-1][2]], self.chunk, tail_tokens=tail)
-        look = Lookup(len(tokens), l0, chunks, list(found), [], salt_tag(salt), plain, save)
+        look = Lookup(len(tokens), l0, chunks, list(found), [], salt_tag(salt), plain, save,
+                      seen=self.served_events)
         if not load:
             look.found, look.recompute_from = [], 0
             look.misses = [("recompute", NO_TIER)] * len(chunks)
@@ -223,10 +246,15 @@ class Explainer:
         usable = look.tokens - 1
         ranges: list[list] = []
 
+        hidden: Counter = Counter()   # tokens per cause the request is not told (HIDDEN)
+
         def add(start: int, end: int, what: str, tier: str, source: bool) -> None:
             start, end = max(start, 0), min(end, usable)
             if end <= start:
                 return
+            if what in HIDDEN:
+                hidden[what] += end - start
+                what = HIDDEN[what]
             if ranges and ranges[-1][2:] == [what, tier, source] and ranges[-1][1] == start:
                 ranges[-1][1] = end
             else:
@@ -238,7 +266,7 @@ class Explainer:
         for i, (key, start, end) in enumerate(look.chunks):
             start = max(start, look.l0)
             if i < cut:
-                add(start, end, look.found[i], NO_TIER, True)
+                add(start, end, self._source(look, i), NO_TIER, True)
             elif i < len(look.found) and look.recompute_from is not None and i >= look.recompute_from:
                 add(start, end, "recompute", NO_TIER, False)
             elif i < len(look.found):   # its load failed, or an earlier one did
@@ -253,7 +281,19 @@ class Explainer:
                 continue
             self.missed[(what, tier)] += end - start
             out.append({"tokens": [start, end], "computed": what, **({"tier": tier} if tier != NO_TIER else {})})
+        for cause, n in hidden.items():  # counted under their own cause, for operators
+            self.missed[(HIDDEN[cause], NO_TIER)] -= n
+            self.missed[(cause, NO_TIER)] += n
         return out
+
+    def _source(self, look: Lookup, i: int) -> str:
+        """The tier chunk ``i``'s load came from: the one its lookup found, unless a worker
+        said since that another served it."""
+        served = self.served.get(look.chunks[i][0])
+        if served is None or served[0] <= look.seen or served[1] == look.found[i]:
+            return look.found[i]
+        look.moved = True
+        return served[1]
 
     def _failure(self, key: str, planned: str) -> tuple[str, str]:
         """Why the load of ``key`` from tier ``planned`` failed: what that tier said of it

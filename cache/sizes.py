@@ -3,7 +3,8 @@
 ``parse_size`` reads ``8GiB``, ``500MB``, ``1073741824`` or ``20%``; ``memory_limit`` is
 the RAM this container may use (the cgroup limit if lower than physical RAM);
 ``room_for_tier`` is the space a tier folder may take (its filesystem's free space plus
-what the tier already holds there); ``human_bytes`` prints a size. ``ConfigError`` lives
+what the tier already holds there), ``disk_tier_bytes`` the disk tier's size against it;
+``human_bytes`` prints a size. ``ConfigError`` lives
 here, below ``cache.config``, which re-exports it. Runs at start-up; reads a few small files.
 """
 
@@ -113,6 +114,23 @@ def room_for_tier(path: str) -> int:
     """Bytes a tier folder may hold: the free space of its filesystem plus the entries
     the tier already keeps there (they are its own, not a competitor's)."""
     return shutil.disk_usage(_existing_dir(path)).free + folder_usage(path)
+
+
+def disk_tier_bytes(size_text: str, path: str) -> int:
+    """The disk tier's size (``KVCACHE_DISK_SIZE``) against the room its folder
+    (``KVCACHE_DISK_PATH``) has; 0 disables the tier, whose folder is then never touched."""
+    name = "KVCACHE_DISK_SIZE"
+    if parse_size(size_text, 100, name) == 0:
+        return 0
+    check_writable(path, "KVCACHE_DISK_PATH")
+    room = room_for_tier(path)
+    nbytes = parse_size(size_text, room, name)
+    if nbytes > room:
+        raise ConfigError(
+            f"{name}={size_text} ({nbytes:,} bytes) is above the free space under "
+            f"{path!r} ({room:,} bytes); lower it or give a percentage"
+        )
+    return nbytes
 
 
 def human_bytes(n: float) -> str:

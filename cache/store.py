@@ -719,9 +719,14 @@ class TieredStore:
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 
-    def note_loaded(self, tier: int, tokens: int) -> None:
-        """``tokens`` prompt tokens were served from tier ``tier`` (an ``Entry.tier``)."""
-        self.stats.tiers[self.tiers[tier].name].tokens_loaded += tokens
+    def note_loaded(self, tier: int, tokens: int, key: str = "", planned: str = "") -> None:
+        """``tokens`` prompt tokens were served from tier ``tier`` (an ``Entry.tier``); when
+        the load of ``key`` was planned from another tier (``planned``, by name), the
+        scheduler is told which served it (``served``: a bad copy above was passed over)."""
+        name = self.tiers[tier].name
+        self.stats.tiers[name].tokens_loaded += tokens
+        if planned and planned != name:
+            self._note(key, "served", name)
 
     def recheck_shared(self, keys: Sequence[str]) -> None:
         """``keys`` were just stored by this engine: the shared tier asks about them again."""

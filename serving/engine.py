@@ -29,6 +29,7 @@ from cache.config import ConfigError
 from serving.config import EngineSettings
 from serving.engine_args import parse_engine_args
 from serving.model import fetch_model
+from serving.weights import with_weights_fingerprint
 from serving.metrics import RequestOutcome, now, outcome_from_output
 from serving.warmup import Warmup
 
@@ -147,6 +148,8 @@ class Engine:
         source = self.settings.model_source
         if source is not None and source.s3_uri:  # an S3 model: its files, before vLLM starts
             await asyncio.to_thread(fetch_model, source)
+        # The weights' fingerprint (cache namespace), once for every engine process.
+        self.settings = await asyncio.to_thread(with_weights_fingerprint, self.settings)
         args = await asyncio.to_thread(parse_engine_args, self.settings)
         if self.state is State.STOPPING:
             return

@@ -23,6 +23,7 @@ The model, first match wins:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -31,6 +32,7 @@ from typing import Mapping, Optional
 
 from cache.config import ConfigError
 from cache.footprint import FootprintError, load_hf_config
+from cache.weights import S3_MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +155,10 @@ def hf_config(model: ModelSource, env: Mapping[str, str]) -> Optional[dict]:
 
 def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, client=None) -> int:
     """Download an S3 model's files into ``model.local_dir`` (those named in ``only``, if
-    given); files already there with the same size are kept. Returns the files fetched.
-    Blocks for as long as the download takes: call it from a thread."""
+    given); a file already there with the same size is kept, unless the object's ETag
+    differs from the one it was downloaded with. A whole fetch records every file's ETag
+    (``cache.weights.S3_MANIFEST``, in the fingerprint of the weights). Returns the files
+    fetched. Blocks for as long as the download takes: call it from a thread."""
     if not model.s3_uri:
         return 0
     import boto3
@@ -164,6 +168,12 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
     prefix = prefix.strip("/")
     s3 = client or boto3.client("s3")
     fetched = 0
+    manifest_path = os.path.join(model.local_dir, S3_MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            etags = dict(json.load(f))
+    except (OSError, ValueError, TypeError):
+        etags = {}
     try:
         pages = s3.get_paginator("list_objects_v2").paginate(
             Bucket=bucket, Prefix=(prefix + "/") if prefix else "")
@@ -173,17 +183,24 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
                 if not rel or rel.endswith("/") or (only and rel not in only):
                     continue
                 target = os.path.join(model.local_dir, rel)
-                if os.path.isfile(target) and os.path.getsize(target) == obj["Size"]:
+                known = etags.get(rel) or [obj["Size"], obj.get("ETag")]
+                if os.path.isfile(target) and os.path.getsize(target) == obj["Size"] and known[1] == obj.get("ETag"):
+                    etags[rel] = [obj["Size"], obj.get("ETag")]
                     continue
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 partial = f"{target}.partial-{os.getpid()}"
+                etags.pop(rel, None)
                 s3.download_file(bucket, obj["Key"], partial)
                 os.replace(partial, target)
+                etags[rel] = [obj["Size"], obj.get("ETag")]
                 fetched += 1
     except (BotoCoreError, ClientError) as e:
         raise ConfigError(f"cannot download the model from {model.s3_uri}: {e}") from None
     if not only:
         if not os.path.isfile(os.path.join(model.local_dir, "config.json")):
             raise ConfigError(f"{model.s3_uri} holds no config.json: not a model")
+        with open(f"{manifest_path}.partial-{os.getpid()}", "w") as f:
+            json.dump(etags, f)
+        os.replace(f.name, manifest_path)
         log.info("model %s: %d file(s) downloaded to %s", model.s3_uri, fetched, model.local_dir)
     return fetched

@@ -10,7 +10,8 @@ starts its processes), with ``KVCACHE_LOAD_DECISION=always`` unless the spec set
 
 Spec: {"model": PATH, "cache": {KVCACHE_* settings}, "prefix_caching": bool, "log_stats": bool,
        "kv_events": optional {KVEventsConfig fields},
-       "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional} |
+       "steps": [{"prompt_token_ids": [...], "cache_salt": optional, "kv_transfer_params": optional,
+                  "prompt_logprobs": optional N} |
                  {"reset_prefix_cache": true} | {"corrupt": [FOLDER, ...]} | {"unsign": [FOLDER, ...]} |
                  {"break": FOLDER, "keep": FOLDER} | {"sleep": S} | {"touch": PATH} |
                  {"wait_for": PATH} | {"engine": true} |
@@ -263,6 +264,9 @@ def main() -> None:
             if step.get("cache_salt"):
                 prompt["cache_salt"] = step["cache_salt"]
             sampling = params
+            if step.get("prompt_logprobs"):  # (vLLM sets skip_reading_prefix_cache when built)
+                sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=5, temperature=0,
+                                          prompt_logprobs=step["prompt_logprobs"])
             if step.get("kv_transfer_params"):
                 sampling = params.clone()
                 sampling.extra_args = {"kv_transfer_params": step["kv_transfer_params"]}

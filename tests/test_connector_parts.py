@@ -22,7 +22,7 @@ from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.vllm.connector import hit_sources
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
-from cache.vllm.namespace import engine_namespace
+from cache.vllm.namespace import engine_namespace, weights_id
 from cache.vllm.off import CacheOff
 from tests.test_load_costs import stored
 from tests.test_scheduler_side import Blocks, request
@@ -141,7 +141,7 @@ def test_hits_are_labelled_by_the_tier_that_serves_them(tmp_path, monkeypatch):
     conn.bind_kv_cache_manager(SimpleNamespace(block_pool=None,
                                                get_block_ids=lambda req_id: (list(range(NUM_BLOCKS)),)))
     side = conn.scheduler_side
-    ns = engine_namespace(vllm_config, full_attention(), CHUNK, 0)
+    ns = engine_namespace(vllm_config, full_attention(), CHUNK, 0, weights=weights_id(vllm_config, side.config))
     writer = TieredStore(build_tiers(side.config, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])
     n = 3 * CHUNK + 5
     stored(side, writer, n, lambda i: 0 if i == 0 else 1)  # the first chunk in DRAM, the rest on disk

@@ -20,6 +20,10 @@ from tests.test_scheduler_side import BLOCK, CHUNK, Blocks, output, request
 
 @pytest.fixture
 def setup(tmp_path):
+    return make_setup(tmp_path)
+
+
+def make_setup(tmp_path):
     cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB",
                               "KVCACHE_SIGNING_KEY": "k"})
@@ -93,15 +97,44 @@ def test_evicted_for_good_names_the_tier_it_left(setup):
     assert run(side, writer, settle, request("b", 600))[0] == (0, 256, "evicted", "disk")
 
 
+def salted(req_id, n, salt, seed=0):
+    req = request(req_id, n, seed)
+    req.cache_salt = salt
+    return req
+
+
 def test_another_salt_holds_the_tokens(setup):
+    """A prefix held under another salt is never_stored to the request; operators see it
+    counted as other_namespace."""
     side, writer, settle = setup
-    salted = request("a", 600)
-    salted.cache_salt = "tenant-a"
-    run(side, writer, settle, salted)
-    assert run(side, writer, settle, request("b", 600)) == [(0, 599, "other_namespace", None)]
-    again = request("c", 600)
-    again.cache_salt = "tenant-a"
-    assert run(side, writer, settle, again) == [(0, 599, "dram", None)]
+    run(side, writer, settle, salted("a", 600, "tenant-a"))
+    side.explain.take_counts()
+    assert run(side, writer, settle, request("b", 600)) == [(0, 599, "never_stored", None)]
+    assert side.explain.take_counts() == {"miss:other_namespace:none": 599}
+    assert run(side, writer, settle, salted("c", 600, "tenant-a")) == [(0, 599, "dram", None)]
+
+
+@pytest.mark.parametrize("guesser", ["tenant-b", None])
+def test_a_guess_of_another_tenants_prompt_learns_nothing(tmp_path, guesser):
+    """The guess oracle: a right and a wrong guess of tenant A's prompt, from another salt
+    or from none, get the same explanation (a guess right in its first chunk only too).
+    Each guess is the guesser's first request, on a cache where A's prompt is stored."""
+    secret = salted("a", 700, "tenant-a", seed=1).prompt_token_ids
+    other = request("x", 700, seed=2).prompt_token_ids
+    seen = []
+    for i, guess in enumerate((secret, other, secret[:256] + other[256:])):
+        side, writer, settle = make_setup(tmp_path / str(i))
+        run(side, writer, settle, salted("a", 700, "tenant-a", seed=1))
+        req = request("g", 700)
+        req.prompt_token_ids = req.all_token_ids = list(guess)
+        req.cache_salt = guesser
+        side.explain.take_counts()
+        seen.append((run(side, writer, settle, req), side.explain.take_counts()))
+    assert seen[0][0] == seen[1][0] == seen[2][0] == [(0, 699, "never_stored", None)]
+    # operators' aggregate: what another namespace held, and what nobody did
+    assert [counts for _, counts in seen] == [{"miss:other_namespace:none": 699},
+                                              {"miss:never_stored:none": 699},
+                                              {"miss:other_namespace:none": 256, "miss:never_stored:none": 443}]
 
 
 def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
@@ -137,6 +170,51 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     assert writer.get(key) is None
     settle()
     assert run(side, writer, settle, request("e", 600, seed=5))[-1][2:] == ("unsigned", "dram")
+
+
+def damage(path):
+    raw = bytearray(open(path, "rb").read())
+    raw[HEADER_SIZE] ^= 0xFF
+    open(path, "wb").write(raw)
+
+
+def test_a_hit_is_named_after_the_tier_that_served_it(setup):
+    """The lookup finds DRAM; its copy is damaged, so the worker's read falls back to the
+    disk copy, which serves: the explanation and the loaded tokens say disk. A later
+    request served from DRAM as planned is not told about that earlier fallback."""
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    keys = list(side.explain.fates.last)[:2]
+    writer.persist(keys)  # on disk too
+    settle()
+    damage(writer.tiers[0].path(keys[0]))
+    for name, expect in (("b", "disk"), ("c", "dram")):  # b's read promotes the disk copy back up
+        req = request(name, 600)
+        n, _ = side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, Blocks(list(range(12))), n)
+        (load,) = side.build_connector_meta(output()).loads
+        assert [c.tier for c in load.chunks] == ["dram", "dram", "dram"]
+        for chunk in load.chunks:  # the worker's loads (cache.vllm.worker._loaded)
+            entry = writer.get(chunk.key)
+            writer.note_loaded(entry.tier, chunk.tokens, chunk.key, chunk.tier)
+        settle()
+        why = [(r["tokens"], r.get("from")) for r in side.explain_finished(req)]
+        loaded = side.request_finished(req)
+        if expect == "disk":
+            assert why == [([0, 256], "disk"), ([256, 599], "dram")] and loaded == {"disk": 256, "dram": 343}
+        else:
+            assert why == [([0, 599], "dram")] and loaded == {"dram": 599}
+
+
+def test_a_request_that_skips_the_prefix_cache_loads_nothing(setup):
+    """vLLM drops the hit of a request with prompt_logprobs (skip_reading_prefix_cache):
+    nothing is planned, and the explanation says recompute."""
+    side, writer, settle = setup
+    run(side, writer, settle, request("a", 600))
+    req = request("b", 600)
+    req.skip_reading_prefix_cache = True
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert run(side, writer, settle, req) == [(0, 599, "recompute", None)]
 
 
 def test_a_request_failed_whole_loaded_nothing(setup):

@@ -3,9 +3,10 @@
 
 Two engines, one after the other. The first has a small DRAM tier (7 entries of the test
 model, LRU, no disk) and a shared ``file://`` tier, signed; its steps drive a hit from
-each tier and the causes never_stored, recompute, not_admitted, other_namespace,
-evicted, shared_unreachable, unsigned and damaged (plus after_miss behind a failed
-chunk). The second has only a shared tier on a copy of the first's, with a link so
+each tier and the causes never_stored, recompute, not_admitted, evicted,
+shared_unreachable, unsigned and damaged (plus after_miss behind a failed chunk), and
+the guess oracle: a prompt another tenant stored is never_stored to a request of another
+salt or of none, exactly as a prompt nobody stored. The second has only a shared tier on a copy of the first's, with a link so
 slow that a publish is still running when the same prompt comes back (writing) and a
 read runs past its deadline (load_timeout). vLLM's own prefix cache is off so each
 repeat asks our tiers.
@@ -21,6 +22,7 @@ from tests.test_engine import tokens
 pytestmark = pytest.mark.engine
 
 A, G, B, C, F, U, X, W = (tokens(100 + i, n) for i, n in enumerate((600, 600, 600, 600, 1000, 600, 600, 600)))
+NOBODY = [tokens(120 + i, 600) for i in range(2)]  # wrong guesses: prompts nobody stored
 KEY = {"KVCACHE_SIGNING_KEY": "explain-test"}
 
 
@@ -53,6 +55,8 @@ def engines(model_path, tmp_path_factory):
         {"break": str(shared), "keep": str(kept)}, prompt(G),                    # 12 13
         prompt(U), {"sleep": 1.0}, {"unsign": [dram]}, prompt(U),                # 14 15 16
         prompt(X), {"sleep": 1.0}, {"corrupt": [dram]}, prompt(X),               # 17 18 19
+        prompt(NOBODY[0]),                                                       # 20: wrong, no salt
+        prompt(C, cache_salt="tenant-b"), prompt(NOBODY[1], cache_salt="tenant-b"),  # 21 22
     ]})
     # 9 KiB/s: one 512 KiB chunk holds the link ~60 s, far past the 15 s deadline. The
     # deadline is what keeps the first W's publish in flight until W comes back: once it
@@ -81,7 +85,10 @@ def test_request_choices(engines):
 
 def test_another_salt_and_eviction(engines):
     one, _ = engines
-    assert causes(one[8]) == [(0, 599, "other_namespace", None)]
+    # the guess oracle: tenant-a's C guessed right (8: without salt; 21: with another
+    # salt) reads exactly as a wrong guess (20, 22)
+    assert causes(one[8]) == causes(one[20]) == causes(one[21]) == causes(one[22]) \
+        == [(0, 599, "never_stored", None)]
     # tenant-a's chunks were pushed out of the full DRAM tier (LRU) by F and the unsalted C
     assert first(one[10]) == ("evicted", "dram")
 

@@ -543,6 +543,26 @@ def test_s3_model_id_is_downloaded_with_boto3(env, tmp_path, s3, var):
         build_serving_config({**e, var: "s3://nobucket/x"}, CPU_BOX)
 
 
+def test_an_s3_object_replaced_by_one_of_the_same_size_is_fetched_again(env, tmp_path, s3):
+    """A file is kept only while its object's ETag is the one it was downloaded with; the
+    ETags recorded go into the weights' fingerprint (the cache namespace)."""
+    from cache.weights import S3_MANIFEST, fingerprint
+    from serving.model import fetch_model
+
+    s3.put_object(Bucket="models", Key="m/config.json", Body=json.dumps(LLAMA3_8B).encode())
+    s3.put_object(Bucket="models", Key="m/model.bin", Body=b"\1" * 1000)
+    e = {**_no_model_id(env), "HF_MODEL_ID": "s3://models/m", "SERVING_DOWNLOAD_DIR": str(tmp_path / "dl")}
+    model = build_serving_config(e, CPU_BOX).model
+    assert fetch_model(model) == 1 and fetch_model(model) == 0
+    before = fingerprint(model.local_dir)
+    manifest = json.loads((tmp_path / "dl" / "models" / "m" / S3_MANIFEST).read_text())
+    assert sorted(manifest) == ["config.json", "model.bin"]
+    s3.put_object(Bucket="models", Key="m/model.bin", Body=b"\2" * 1000)   # same size, new weights
+    assert fetch_model(model) == 1
+    assert (tmp_path / "dl" / "models" / "m" / "model.bin").read_bytes() == b"\2" * 1000
+    assert fingerprint(model.local_dir).digest != before.digest
+
+
 # -- start-up timeout, ports, --print-config -----------------------------------------
 def test_startup_timeout_default_is_never_shorter_than_the_platforms(env):
     assert build_serving_config(env, CPU_BOX).http.startup_timeout_s == 3600

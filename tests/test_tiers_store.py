@@ -84,6 +84,20 @@ class TestFileTier(TierContract):
         assert dict(ours.scan()) == {other: 40} and ours.used_bytes() == 40
 
 
+    def test_an_entry_cut_short_from_outside_leaves_no_bytes_counted(self, tmp_path):
+        """The account loses what an entry was counted for, not what is left of it."""
+        t, other = self.make(tmp_path, 100), "cd" * 16
+        assert t.reserve(40, KEY) and t.write(KEY, [b"x" * 40], 40)
+        assert t.reserve(30, other) and t.write(other, [b"y" * 30], 30)
+        os.truncate(t.path(KEY), 10)
+        assert t.delete(KEY) == 40 and t.used_bytes() == 30
+        # counted by a recount (another process's tier, after a restart)
+        again = self.make(tmp_path, 100)
+        assert dict(again.scan()) == {other: 30}
+        os.truncate(again.path(other), 0)
+        assert again.delete(other) == 30 and again.used_bytes() == 0
+
+
 class TestMmapFileTier(TestFileTier):
     def make(self, tmp_path, capacity):
         return FileTier(str(tmp_path / "shm"), "ns", capacity, name="dram", use_mmap=True)
@@ -194,6 +208,18 @@ def test_damaged_entry_is_dropped_not_served(tmp_path):
         f.write(b"\xff")
     assert s.get(keys[0]) is None
     assert s.stats.tiers["dram"].corrupt == 1 and not s.tiers[0].contains(keys[0])
+
+
+def test_a_truncated_entry_dropped_as_damaged_leaves_the_account_right(tmp_path):
+    s = store(tmp_path, dram=0)
+    keys = chunk_keys(NS, list(range(32)), 16)
+    put_chain(s, keys)
+    disk = s.tiers[0]
+    whole = disk.used_bytes()
+    os.truncate(disk.path(keys[1]), HEADER_SIZE + 100)
+    assert s.get(keys[1]) is None and s.stats.tiers["disk"].corrupt == 1
+    assert disk.used_bytes() == whole // 2 == sum(size for _k, size in disk.scan())
+    s.close()
 
 
 def test_foreign_entry_is_not_served(tmp_path):

@@ -18,8 +18,11 @@ Capacity is shared by every process using the folder: ``reserve`` and ``delete``
 ``ROOT/.usage`` under an exclusive ``flock`` (microseconds), and every step that changes
 what ``scan`` would count (a claim's temporary file appearing, the link into place, an
 unlink) happens under that lock with its ``.usage`` update, so a recount by any process
-at any moment agrees with the counter. Methods that touch the disk block; the store
-calls them from I/O threads. ``contains`` is one ``stat``.
+at any moment agrees with the counter. An entry's bytes leave the counter as they were
+counted (its size when published, or when a ``scan`` last counted it, remembered per
+key), so an entry truncated from outside afterwards does not leave the difference behind.
+Methods that touch the disk block; the store calls them from I/O threads. ``contains``
+is one ``stat``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class FileTier(Tier):
         self.direct = DirectReads(direct_reads, name)  # cold entries read past the page cache
         os.makedirs(self.folder, exist_ok=True)
         self._claims: dict[str, tuple[str, int]] = {}  # key -> its claim's temporary file, open fd
+        # key -> bytes its entry holds in ``.usage`` (counted at publish or scan); what
+        # ``delete`` takes off, whatever size the file has by then (cut short from outside).
+        self._counted: dict[str, int] = {}
         self._lock_path = os.path.join(root, LOCK_FILE)
         self._usage_path = os.path.join(root, USAGE_FILE)
         for p in (self._lock_path, self._usage_path):
@@ -192,7 +198,10 @@ class FileTier(Tier):
         except OSError:  # full, read-only, I/O error ...: the claim goes back, the caller counts it
             self._settle(tmp, final, nbytes, publish=False)
             raise
-        return self._settle(tmp, final, nbytes, publish=True)
+        published = self._settle(tmp, final, nbytes, publish=True)
+        if published:
+            self._counted[key] = nbytes
+        return published
 
     def _settle(self, tmp: Optional[str], final: str, nbytes: int, publish: bool) -> bool:
         """Under the folder lock: link ``tmp`` into place (if ``publish``), remove it, and
@@ -215,10 +224,14 @@ class FileTier(Tier):
         return published
 
     def delete(self, key: str) -> int:
+        """Remove ``key``'s entry; the bytes it held in the account (the larger of its
+        size when counted and its size now: a copy another process wrote again after a
+        truncated one is whole)."""
         path = self.path(key)
+        counted = self._counted.pop(key, 0)
         with self._locked_usage() as usage:  # unlink and recount as one step for ``scan``
             try:
-                size = os.stat(path).st_size
+                size = max(os.stat(path).st_size, counted)
                 os.unlink(path)
             except FileNotFoundError:
                 return 0
@@ -240,6 +253,10 @@ class FileTier(Tier):
                         size = self._account(f, ns.path == self.folder, entries)
                         total += size
             self._put(usage, total)
+            # What the recount holds for each entry. (Where another process recounts an
+            # entry cut short after we counted it, our delete takes off the bytes it had:
+            # the account is low by the bytes cut until the next recount.)
+            self._counted = dict(entries)
         return iter(entries)
 
     def _account(self, f: os.DirEntry, ours: bool, entries: list) -> int:

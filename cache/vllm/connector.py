@@ -49,7 +49,7 @@ from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
 from cache.vllm.groups import group_layout
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from cache.vllm.namespace import engine_namespace
+from cache.vllm.namespace import engine_namespace, weights_id
 from cache.vllm.off import CacheOff, context_parallel_reason
 from cache.vllm.planner import bytes_per_block
 
@@ -107,6 +107,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
                             "cache", vllm_config.model_config.model, off_reason)
             return
+        weights = weights_id(vllm_config, config)  # the weights' fingerprint, in every namespace
         if role == KVConnectorRole.SCHEDULER:
             from cache.vllm.scheduler import SchedulerSide
 
@@ -116,7 +117,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             from cache.curves import tier_curves
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
-            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r)
+            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r, weights=weights)
                           for r in range(world)]
             entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
             pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
@@ -142,7 +143,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
             # This worker's parallel rank: tensor-parallel rank within its pipeline stage.
             rank = get_tp_group().rank_in_group + parallel.tensor_parallel_size * get_pp_group().rank_in_group
-            ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank)
+            ns = engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, rank, weights=weights)
             self.worker_side = WorkerSide(config, ns, kv_cache_config.num_blocks, block_size, layout)
             # Model runner V2 (vLLM's GPU default) calls handle_preemptions after this step's
             # writes to KV blocks (zeroing, copy-on-write), V1 before them: under V2 the fence

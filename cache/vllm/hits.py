@@ -94,5 +94,6 @@ def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: i
         c = chunks[x.chunk]
         held_from = layout.kinds[x.kind].blocks(c.start, c.end, B)[0]
         n = tokens.pop(x.chunk, 0) + (rest if not out else 0)
-        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n))
+        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n,
+                           tier=tier_names[x.tier]))
     return planned, out

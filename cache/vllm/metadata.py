@@ -34,6 +34,8 @@ class ChunkIO:
     kind: int = 0
     tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
     shared: bool = False          # a save to publish to the shared tier at once (a pin)
+    tier: str = ""                # a load: the tier the lookup found it on (the worker says
+                                  # when another served it: cache.explain.SERVED)
 
 
 @dataclass

@@ -49,7 +49,7 @@ from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, win
 from cache.vllm.hits import entry, find_hit, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
-from cache.vllm.namespace import prefix_salt
+from cache.vllm.namespace import Salts
 from cache.vllm.pinning import Pinner
 from cache.vllm.planner import LoadPlanner
 
@@ -111,7 +111,7 @@ class SchedulerSide:
         self.layout = layout or GroupLayout.single(block_size)
         self.retention_interval = retention_interval
         self.chunk = config.chunk_tokens
-        self.chain = namespaces[0].chain_digest
+        self.chain, self.salt = namespaces[0].chain_digest, Salts(config.weights_hash)  # salt: cache_salt + adapter
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
         self.views = [lookup_view(config, ns) for ns in namespaces]
         # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
@@ -163,7 +163,7 @@ class SchedulerSide:
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
-        salt = prefix_salt(request)
+        salt = self.salt(request)
         n, c = len(tokens), self.chunk
         full, tail = divmod(n, c)
         if tail < 2:  # a one-token tail would load nothing: the last token is always computed
@@ -186,7 +186,7 @@ class SchedulerSide:
         st.pending_load = None
         if self.pinner is not None:
             self.pinner.offer(request, st.chunks, st.n_tokens)
-        if not request_wants(request, LOAD):
+        if not request_wants(request, LOAD) or getattr(request, "skip_reading_prefix_cache", False):  # (prompt_logprobs)
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
@@ -240,7 +240,7 @@ class SchedulerSide:
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
         return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
                                       [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
-                                      prefix_salt(st.request), load, request_wants(st.request, SAVE))
+                                      self.salt(st.request), load, request_wants(st.request, SAVE))
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -379,9 +379,9 @@ class SchedulerSide:
         if st is None:
             return []
         ranges = self.explain.finished(st.why)
-        if ranges and st.why is not None and st.why.failed is not None:
-            # A load failed: vLLM computed that chunk and every later one, so only the
-            # ranges the explanation still names a tier for were loaded.
+        if ranges and st.why is not None and (st.why.failed is not None or st.why.moved):
+            # What was loaded, and from where: after a failed load only the ranges before
+            # it (vLLM computed the rest); a chunk from the tier that served it.
             st.loaded_tokens = {}
             for r in ranges:
                 if r.get("from") in self.tier_names:

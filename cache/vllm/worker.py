@@ -243,7 +243,7 @@ class WorkerSide:
         """Count a chunk in place: its tokens served, its bytes read from its tier."""
         tier, nbytes = done
         self.store.note_loaded(tier, chunk.tokens if chunk.tokens is not None
-                               else len(chunk.block_ids) * self.block_size)
+                               else len(chunk.block_ids) * self.block_size, chunk.key, chunk.tier)
         name = self.store.tier_names[tier]
         read[name] = read.get(name, 0) + nbytes
 
