@@ -152,3 +152,23 @@ def test_the_server_hands_SM_VLLM_KV_EVENTS_CONFIG_to_vllms_parser():
     assert args == {"--kv-events-config": value} and sources == {"--kv-events-config": "SM_VLLM_KV_EVENTS_CONFIG"}
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(["--kv-events-config", value])
     assert parsed.kv_events_config.enable_kv_cache_events and parsed.kv_events_config.endpoint == "tcp://*:5557"
+
+
+def test_writes_finished_after_the_last_step_are_announced_by_the_next_engine(tmp_path):
+    """Saves, copies down and publishes a worker finishes after the scheduler's last step
+    (flushed at shutdown) never reach that engine's events: the next engine announces
+    every known chunk a tier holds that was not announced there (by hashes alone)."""
+    snap = str(tmp_path / ".kvevents-ns.json")
+    first = TierEvents(["dram", "disk"], 1, B, snapshot=snap)
+    r = request("a", TOKENS)
+    first.seen(r, chunks(len(TOKENS)))
+    first.apply([("k0", "stored", "dram")])  # k0's copy down to disk, k1's save: never reported
+    first.take()
+    first.close()
+    on_disk = {("disk", "k0"), ("disk", "k1"), ("dram", "k0")}
+    second = TierEvents(["dram", "disk"], 1, B, snapshot=snap, present=lambda t, k: (t, k) in on_disk)
+    stored = {tuple(e.block_hashes): e for e in second.take()}
+    assert set(stored) == {tuple(external(r, 0, 2)), tuple(external(r, 2, 4))}
+    assert all(e.medium == MEDIUM_STORAGE and e.token_ids == [] for e in stored.values())
+    assert stored[tuple(external(r, 2, 4))].parent_block_hash == external(r, 1, 2)[0]
+    assert set(second.held["disk"]) == {"k0", "k1"} and set(second.held["dram"]) == {"k0"}

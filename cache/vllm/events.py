@@ -29,12 +29,16 @@ the workers send at most ``cache.vllm.worker.MAX_EVENTS`` chunk events a step).
 
 Across a restart: the announced chunks' block and parent hashes (never their tokens) are
 kept in the last local tier's folder (``.kvevents-<namespace>.json``, written by one
-daemon thread every ``SNAPSHOT_S`` when changed, and at shutdown). A new engine reads it
-back: what a tier no longer holds is announced removed (a DRAM folder emptied by a
-container restart), the rest stays announced (a consumer that followed the publisher
-before the restart keeps it; one that starts later learns a chunk when a tier stores it
-again). Such a chunk moved to another tier before a request of the new engine used it is
-announced there by its hashes alone (``token_ids`` empty: its tokens are not known here).
+daemon thread every ``SNAPSHOT_S`` when changed, and at shutdown), with those of the
+recent chunks no tier had stored yet. A new engine reads it back: what a tier no longer
+holds is announced removed (a DRAM folder emptied by a container restart), the rest
+stays announced (a consumer that followed the publisher before the restart keeps it; one
+that starts later learns a chunk when a tier stores it again), and a known chunk a tier
+holds without having been announced there is announced stored: writes the workers
+finished after the scheduler's last step (saves, copies down to disk, publishes flushed
+at shutdown) are never reported to the engine that made them. Such chunks, and one moved
+to another tier before a request of the new engine used it, are announced by their
+hashes alone (``token_ids`` empty: their tokens are not known here).
 """
 
 from __future__ import annotations
@@ -172,7 +176,9 @@ class TierEvents:
                 self._ranks.pop(next(iter(self._ranks)))
         return n
 
-    def _stored(self, tier: str, key: str) -> None:
+    def _stored(self, tier: str, key: str, known: Optional[tuple] = None) -> None:
+        """Announce ``key`` stored on ``tier``; ``known``: its (hashes, parent) when no
+        request of this engine described it."""
         held = self.held[tier]
         if key in held:
             return  # announced already
@@ -185,7 +191,7 @@ class TierEvents:
                                 group_idx=0, locality=LOCALITY[tier], ownership=tier,
                                 session_id=blocks.session_id)
         else:  # no request seen here: a chunk announced in another tier (before a restart) moved
-            known = next((h[key] for h in self.held.values() if key in h), None)
+            known = known or next((h[key] for h in self.held.values() if key in h), None)
             if known is None:
                 return  # another engine's chunk: unknown blocks
             held[key] = known
@@ -228,19 +234,27 @@ class TierEvents:
             return
         if saved.get("block_size") != self.block_size:
             return
-        gone = 0
+        gone = found = 0
+        known: dict[str, tuple] = {key: ([_unhex(h) for h in hashes], _unhex(parent))
+                                   for key, hashes, parent in saved.get("recent", [])}
         for tier, entries in saved.get("tiers", {}).items():
             if tier not in self.held:
                 continue
             for key, hashes, parent in entries:
-                self.held[tier][key] = ([_unhex(h) for h in hashes], _unhex(parent))
+                self.held[tier][key] = known[key] = ([_unhex(h) for h in hashes], _unhex(parent))
                 if self.world > 1:
                     self._ranks[(tier, key)] = self.world
                 if present is not None and not present(tier, key):
                     self._removed(tier, key)
                     gone += 1
-        log.info("kvcache: KV events: %d chunks announced before the restart still held, %d announced removed",
-                 sum(len(h) for h in self.held.values()), gone)
+        if present is not None:  # written after the last step the scheduler saw (module docstring)
+            for tier, held in self.held.items():
+                for key in [k for k in known if k not in held and present(tier, k)]:
+                    self._stored(tier, key, known[key])
+                    found += 1
+        log.info("kvcache: KV events: %d chunks announced before the restart still held, %d announced removed, "
+                 "%d written after its last step announced", sum(len(h) for h in self.held.values()) - found,
+                 gone, found)
 
     def _write_loop(self) -> None:
         while not self._closed.is_set():
@@ -251,9 +265,11 @@ class TierEvents:
     def _write(self) -> None:
         self._dirty.clear()
         held = {tier: list(entries.items()) for tier, entries in self.held.items()}  # (each copy is atomic)
+        recent = list(self.recent.items())
         data = {"block_size": self.block_size,
                 "tiers": {t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items]
-                          for t, items in held.items()}}
+                          for t, items in held.items()},
+                "recent": [[k, [_hex(h) for h in b.hashes], _hex(b.parent)] for k, b in recent]}
         tmp = f"{self._snapshot}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
