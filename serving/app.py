@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from cache.assembly import pin_book
 from serving.config import HttpSettings, ServingConfig
 from serving.engine import Engine
 from serving.errors import error_response, response_for
@@ -43,7 +44,16 @@ def build_metrics(config: ServingConfig) -> ServingMetrics:
     order = tuple(t.name for t in config.plan.cache.tiers()) if config.plan is not None else ()
     fp = config.footprint
     return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create(),
-                          fp.bytes_per_request if fp else None)
+                          fp.bytes_per_request if fp else None, _pins(config))
+
+
+def _pins(config: ServingConfig):
+    """``(PinBook, tier name)`` of the tier that keeps pins (``cache.pins``), for the metrics."""
+    cache = config.plan.cache if config.plan is not None else None
+    book = pin_book(cache) if cache is not None else None
+    if book is None:
+        return None
+    return book, next(t.name for t in cache.tiers() if t.last_local)
 
 
 def load_standards(http: HttpSettings):

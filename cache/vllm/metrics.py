@@ -20,7 +20,8 @@ exported as ``kvcache:tier_write_failures_total{tier,cause}``, and
 ``{"load:<mode>.<field>": n}`` per load mode (``sync``, ``layered``, ``async``): loads, their
 seconds, the cost model's estimate against the measured seconds of the loads it
 estimated, and loads cut short at their deadline (``PLAN_COUNTERS``;
-``cache.vllm.load_costs``).
+``cache.vllm.load_costs``). The scheduler's ``{"pin:<outcome>.requests": n}`` counts pin
+requests by outcome (``cache.vllm.pinning``); no label ever comes from a request's content.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ PLAN_COUNTERS = {
                                            "Measured wall time of the loads the cost model estimated"),
     ("load", "cut_short"): ("kvcache:loads_cut_short", "mode",
                             "Loads that ran past their deadline; the rest of the prompt was recomputed"),
+    ("pin", "requests"): ("kvcache:pin_requests", "outcome",
+                          "Requests that asked for a pin, by outcome: pinned, or why not (tenant_budget, "
+                          "tier_budget, pins_off, bad_request, no_local_tier, no_whole_chunk, write_error)"),
 }
 
 

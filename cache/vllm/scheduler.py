@@ -369,10 +369,10 @@ class SchedulerSide:
                     view.reject_shared(c.key)
 
     def get_stats(self) -> Optional[TieredKVStats]:
-        """Prompt tokens computed since the last report, by cause (``cache.explain``), and
-        requests by the path the cost model chose (``cache.vllm.planner``); the workers
-        report the tiers' counters."""
-        counts = {**self.explain.take_counts(), **self.planner.stats()}
+        """Prompt tokens computed since the last report, by cause (``cache.explain``),
+        requests by the path the cost model chose (``cache.vllm.planner``) and pin requests
+        by outcome (``cache.vllm.pinning``); the workers report the tiers' counters."""
+        counts = {**self.explain.take_counts(), **self.planner.stats(), **(self.pinner.stats() if self.pinner else {})}
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:
