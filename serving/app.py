@@ -33,6 +33,7 @@ from serving.errors import error_response, response_for
 from serving.guard import Gate, RequestGuard
 from serving.metrics import NvmlEnergy, ServingMetrics
 from serving.routes import invocations, metrics, openai, ping
+from serving.sessions import bounded_manager
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _pins(config: ServingConfig):
 
 def load_standards(http: HttpSettings):
     """The SageMaker standards library, its stateful-session manager set from our
-    settings. Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
+    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
     root = logging.getLogger()
     levels = [(h, h.level) for h in root.handlers]
     root_level = root.level
@@ -72,7 +73,7 @@ def load_standards(http: HttpSettings):
     options = {"sessions_expiration": str(http.session_ttl_s)}
     if http.sessions_path:
         options["sessions_path"] = http.sessions_path
-    manager.session_manager = manager.SessionManager(options) if http.sessions_enabled else None
+    manager.session_manager = bounded_manager(options, http.max_sessions) if http.sessions_enabled else None
     return standards
 
 
