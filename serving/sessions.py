@@ -93,7 +93,7 @@ def limit_sessions(handler: Callable[[Request], Awaitable[Response]]) -> Callabl
         if getattr(manager, "full", None) is not None and not _custom_handlers():
             try:
                 body = await raw_request.json()   # (parsed once: Starlette keeps it for the library)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, RecursionError):   # (the guard let it through: the library answers it)
                 body = None
             if isinstance(body, dict) and body.get("requestType") == "NEW_SESSION" and manager.full():
                 if not manager.refusing:
