@@ -36,9 +36,10 @@ def new_session(app) -> str:
 
 
 def test_open_sessions_are_bounded_and_expired_ones_make_room(tmp_path):
+    app = make_app(tmp_path, SERVING_MAX_SESSIONS="3")
+    # (imported once the app has: importing the library re-levels the root logger's handlers)
     from model_hosting_container_standards.sagemaker.sessions import manager
 
-    app = make_app(tmp_path, SERVING_MAX_SESSIONS="3")
     ids = [new_session(app) for _ in range(3)]
     r = post(app, {"requestType": "NEW_SESSION"})
     assert_error(r, 429, "too many open sessions: 3 of SERVING_MAX_SESSIONS=3")
@@ -58,11 +59,11 @@ def test_open_sessions_are_bounded_and_expired_ones_make_room(tmp_path):
 
 
 def test_the_bound_holds_when_the_manager_is_asked_directly(tmp_path):
+    make_app(tmp_path, SERVING_MAX_SESSIONS="2")
     from model_hosting_container_standards.sagemaker.sessions import manager
 
     from serving.sessions import SessionLimit
 
-    make_app(tmp_path, SERVING_MAX_SESSIONS="2")
     sessions = manager.get_session_manager()
     sessions.create_session()
     sessions.create_session()
