@@ -96,4 +96,5 @@ def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:
     last = [s for s in config.tiers() if s.last_local]
     if not last:
         return None
-    return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id)
+    return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id,
+                   tenant_share=config.pin_tenant_max)

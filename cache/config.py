@@ -60,8 +60,8 @@ SETTINGS = (
     "KVCACHE_DISK_SIZE", "KVCACHE_SHARED_URL", "KVCACHE_SHARED_TIMEOUT_MS",
     "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
-    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_LOAD_DECISION",
-    "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
+    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_PIN_TENANT_MAX",
+    "KVCACHE_LOAD_DECISION", "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -128,6 +128,9 @@ class CacheConfig:
     # Share (0..1) of the last local tier that pinned prefixes may hold (cache.pins); a pin
     # past it is refused. 0: pins are refused.
     pin_max: float = 0.5
+    # Share (0..1] of that allowance one tenant (a cache_salt; "unsalted" for requests
+    # without one) may hold, so no tenant can deny pins to the others.
+    pin_tenant_max: float = 0.25
     # What a hit loads: "cost" (what the online cost model expects to reach the first token
     # sooner than computing it; cache.cost) or "always" (everything found).
     load_decision: str = "cost"
@@ -298,6 +301,9 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     io_threads = _positive_int(r, "KVCACHE_IO_THREADS", d.io_threads)
     policy = r.get("KVCACHE_POLICY") or d.policy
     pin_max = _fraction(r, "KVCACHE_PIN_MAX", d.pin_max)
+    pin_tenant_max = _fraction(r, "KVCACHE_PIN_TENANT_MAX", d.pin_tenant_max)
+    if pin_tenant_max == 0:
+        raise ConfigError("KVCACHE_PIN_TENANT_MAX=0 would refuse every pin (KVCACHE_PIN_MAX=0 turns pins off)")
     load_decision = (r.get("KVCACHE_LOAD_DECISION") or d.load_decision).lower()
     if load_decision not in LOAD_DECISIONS:
         raise ConfigError(f"KVCACHE_LOAD_DECISION={load_decision!r} must be one of {', '.join(LOAD_DECISIONS)}")
@@ -313,8 +319,9 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        shared_url=url, curvine_conf=conf,
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
-                       pin_max=pin_max, load_decision=load_decision, layered_loads=layered_loads,
-                       weights_hash=weights_hash, signing_key=signing_key, notes=tuple(notes))
+                       pin_max=pin_max, pin_tenant_max=pin_tenant_max, load_decision=load_decision,
+                       layered_loads=layered_loads, weights_hash=weights_hash, signing_key=signing_key,
+                       notes=tuple(notes))
 
 
 _HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")

@@ -14,7 +14,11 @@ What a pin does (``cache.store`` asks ``PinBook.held`` when it picks eviction vi
   is there (never dropped);
 - pins are bounded: the pinned chunks of every live pin in a tier folder hold at most
   ``KVCACHE_PIN_MAX`` (a share) of the last local tier's capacity, so unpinned entries
-  always keep the rest. A pin past that bound is refused whole, with its reason;
+  always keep the rest, and one tenant's at most ``KVCACHE_PIN_TENANT_MAX`` of that
+  allowance, so one tenant cannot take it all. A tenant is a ``cache_salt`` (requests
+  without one are the tenant ``unsalted``); the pin file names it by a digest of the salt
+  (``tenant_id``), never the salt. A pin past either bound is refused whole, with its
+  reason, which names only the asking tenant's own bytes and budget;
 - with a shared tier, a pinned prefix's chunks are published to it at once (not when
   they are used a second time, the default rule).
 
@@ -35,6 +39,7 @@ hybrid models, whose window entries are smaller).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -42,7 +47,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
 from cache.tiers.layout import LOCK_FILE, PINS_FILE
 
@@ -51,6 +56,9 @@ log = logging.getLogger(__name__)
 TTL_NAMES = {"5m": 300, "1h": 3600}   # hosted APIs' cache_control lifetimes
 MAX_TTL_S = 24 * 3600                  # the longest pin a request may ask for
 FORMAT = 1
+UNSALTED = "unsalted"                  # the tenant of requests without a cache_salt
+# Why a pin was refused, for kvcache:pin_requests_total{outcome} (cache.vllm.metrics):
+TENANT_BUDGET, TIER_BUDGET, PINS_OFF = "tenant_budget", "tier_budget", "pins_off"
 
 
 class PinError(ValueError):
@@ -90,6 +98,22 @@ def pin_ask(params: Optional[Mapping[str, Any]]) -> Optional[PinAsk]:
     return PinAsk(ttl_s, tokens)
 
 
+def tenant_id(cache_salt: Optional[str], key: str = "") -> str:
+    """The tenant a request pins for: ``unsalted``, or a BLAKE2b digest of its salt (keyed
+    with ``key``, the signing key when one is set), so the pin file never holds a salt."""
+    if not cache_salt:
+        return UNSALTED
+    h = hashlib.blake2b(cache_salt.encode(), digest_size=16, key=key.encode()[:64], person=b"kvcache-tenant")
+    return "salt:" + h.hexdigest()
+
+
+class PinResult(NamedTuple):
+    pinned: bool
+    reason: str = ""        # why it was refused (for the request's caller)
+    expires: float = 0.0    # Unix time, when pinned
+    refusal: str = ""       # TENANT_BUDGET, TIER_BUDGET, PINS_OFF
+
+
 @dataclass(frozen=True)
 class Pin:
     """One pin: chunk keys in some namespaces (one per parallel rank), until ``expires``."""
@@ -100,6 +124,7 @@ class Pin:
     expires: float      # Unix time
     created: float
     tokens: int = 0
+    tenant: str = UNSALTED   # tenant_id of the request that pinned
 
     def pairs(self) -> Iterable[tuple[str, str]]:
         return ((ns, k) for ns in self.namespaces for k in self.keys)
@@ -115,14 +140,15 @@ def pinned_bytes(pins: Iterable[Pin]) -> int:
 
 
 class PinBook:
-    """The pins of one tier folder (``ROOT/.pins``), bounded by ``share`` of ``capacity``.
+    """The pins of one tier folder (``ROOT/.pins``), bounded by ``share`` of ``capacity``,
+    and each tenant's by ``tenant_share`` of that.
 
     ``namespace``: the one ``held`` answers for (a worker's store); the scheduler's book
     names namespaces per ``pin``. ``clock``: Unix time (tests pass their own)."""
 
     def __init__(self, root: str, capacity: int, share: float, namespace: str = "",
-                 clock: Callable[[], float] = time.time) -> None:
-        self.root, self.capacity, self.share = root, capacity, share
+                 clock: Callable[[], float] = time.time, *, tenant_share: float = 1.0) -> None:
+        self.root, self.capacity, self.share, self.tenant_share = root, capacity, share, tenant_share
         self.namespace = namespace
         self.clock = clock
         self.path = os.path.join(root, PINS_FILE)
@@ -133,6 +159,10 @@ class PinBook:
     @property
     def limit(self) -> int:
         return int(self.capacity * self.share)
+
+    @property
+    def tenant_limit(self) -> int:
+        return int(self.limit * self.tenant_share)
 
     # -- reading (the store's eviction path: one stat, a dict lookup) -------------------
     def held(self, key: str) -> bool:
@@ -171,8 +201,8 @@ class PinBook:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
             return [Pin(tuple(p["namespaces"]), tuple(p["keys"]), int(p["entry_bytes"]),
-                        float(p["expires"]), float(p["created"]), int(p.get("tokens", 0)))
-                    for p in data["pins"]]
+                        float(p["expires"]), float(p["created"]), int(p.get("tokens", 0)),
+                        str(p.get("tenant", UNSALTED))) for p in data["pins"]]
         except FileNotFoundError:
             return []
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -182,32 +212,44 @@ class PinBook:
 
     # -- writing (the scheduler, for a request that asks) -----------------------------
     def pin(self, namespaces: Iterable[str], keys: Iterable[str], entry_bytes: int,
-            ttl_s: float, tokens: int = 0) -> tuple[bool, str, float]:
-        """Pin ``keys`` in ``namespaces`` for ``ttl_s`` seconds: ``(pinned, reason,
-        expires)``; refused (``reason`` says why) when the bound would be passed."""
+            ttl_s: float, tokens: int = 0, tenant: str = UNSALTED) -> PinResult:
+        """Pin ``keys`` in ``namespaces`` for ``ttl_s`` seconds for ``tenant`` (``tenant_id``);
+        refused (the reason says why, naming only ``tenant``'s own bytes) when the tenant's
+        budget or the tier's allowance would be passed."""
         ns, keys = tuple(namespaces), tuple(dict.fromkeys(keys))
         if self.limit <= 0:
-            return False, "pins are off (KVCACHE_PIN_MAX=0)", 0.0
+            return PinResult(False, "pins are off (KVCACHE_PIN_MAX=0)", refusal=PINS_OFF)
         now = self.clock()
-        new = Pin(ns, keys, entry_bytes, now + ttl_s, now, tokens)
+        new = Pin(ns, keys, entry_bytes, now + ttl_s, now, tokens, tenant)
         with self._locked():
             self._seen = None
             self._refresh()
             live = [p for p in self._pins if p.expires > now]
             # A pin of the very same chunks replaces an older one (the later expiry wins).
-            same = [p for p in live if p.namespaces == ns and p.keys == keys]
+            same = [p for p in live if p.namespaces == ns and p.keys == keys and p.tenant == tenant]
             kept = [p for p in live if p not in same]
-            after = pinned_bytes(kept + [new])
-            if after > self.limit:
-                held = pinned_bytes(live)
-                return False, (f"pinning {len(keys)} chunks ({len(keys) * len(ns) * entry_bytes:,} bytes) "
-                               f"would bring pinned bytes to {after:,}, above KVCACHE_PIN_MAX="
-                               f"{self.share:g} of the tier ({self.limit:,} of {self.capacity:,} "
-                               f"bytes; {held:,} pinned now)"), 0.0
+            ours = pinned_bytes(p for p in live if p.tenant == tenant)
+            ours_after = pinned_bytes([p for p in kept if p.tenant == tenant] + [new])
+            asked = f"pinning {len(keys)} chunks ({len(keys) * len(ns) * entry_bytes:,} bytes)"
+            mine = f"this tenant holds {ours:,} pinned bytes now, of a budget of {self.tenant_limit:,}"
+            if self.tenant_share < 1 and ours_after > self.tenant_limit:
+                return PinResult(False, f"{asked} would bring this tenant's pinned bytes to {ours_after:,}, "
+                                 f"above its budget of {self.tenant_limit:,} (KVCACHE_PIN_TENANT_MAX="
+                                 f"{self.tenant_share:g} of the tier's pin allowance); {mine}",
+                                 refusal=TENANT_BUDGET)
+            if pinned_bytes(kept + [new]) > self.limit:
+                return PinResult(False, f"{asked} does not fit: the tier's pin allowance (KVCACHE_PIN_MAX) "
+                                 f"is taken; {mine}", refusal=TIER_BUDGET)
             if same:
-                new = Pin(ns, keys, entry_bytes, max(new.expires, *(p.expires for p in same)), now, tokens)
+                expires = max(new.expires, *(p.expires for p in same))
+                new = Pin(ns, keys, entry_bytes, expires, now, tokens, tenant)
             self._write(kept + [new])
-        return True, "", new.expires
+        return PinResult(True, expires=new.expires)
+
+    def usage(self) -> tuple[int, int]:
+        """``(bytes, pins)`` of the live pins, every tenant together (the metrics)."""
+        live = self.live()
+        return pinned_bytes(live), len(live)
 
     def _write(self, pins: list[Pin]) -> None:
         tmp = f"{self.path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

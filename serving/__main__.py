@@ -4,7 +4,8 @@ Runs in the container's main process (PID 1 after ``exec``). Order of events:
 1. build the configuration from the environment and the machine, log it and the tier
    plan as one block (a bad setting: message on stderr, exit 2);
 2. remove the shared-memory and rendezvous files a killed predecessor's vLLM left
-   (``serving.leftovers``: only files no live process holds);
+   (``serving.leftovers``: only files no live process holds; again once the engine is
+   ready);
 3. bind the port (``SAGEMAKER_BIND_TO_PORT``, default 8080) and start vLLM in the
    background; ``/ping`` answers 503 until the engine is ready;
 4. on SIGTERM: ``/ping`` and new requests answer 503, requests in flight go on (up to

@@ -26,12 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from cache.assembly import pin_book
 from serving.config import HttpSettings, ServingConfig
 from serving.engine import Engine
 from serving.errors import error_response, response_for
 from serving.guard import Gate, RequestGuard
 from serving.metrics import NvmlEnergy, ServingMetrics
 from serving.routes import invocations, metrics, openai, ping
+from serving.sessions import bounded_manager
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,21 @@ def build_metrics(config: ServingConfig) -> ServingMetrics:
     order = tuple(t.name for t in config.plan.cache.tiers()) if config.plan is not None else ()
     fp = config.footprint
     return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create(),
-                          fp.bytes_per_request if fp else None)
+                          fp.bytes_per_request if fp else None, _pins(config))
+
+
+def _pins(config: ServingConfig):
+    """``(PinBook, tier name)`` of the tier that keeps pins (``cache.pins``), for the metrics."""
+    cache = config.plan.cache if config.plan is not None else None
+    book = pin_book(cache) if cache is not None else None
+    if book is None:
+        return None
+    return book, next(t.name for t in cache.tiers() if t.last_local)
 
 
 def load_standards(http: HttpSettings):
     """The SageMaker standards library, its stateful-session manager set from our
-    settings. Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
+    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
     root = logging.getLogger()
     levels = [(h, h.level) for h in root.handlers]
     root_level = root.level
@@ -62,7 +73,7 @@ def load_standards(http: HttpSettings):
     options = {"sessions_expiration": str(http.session_ttl_s)}
     if http.sessions_path:
         options["sessions_path"] = http.sessions_path
-    manager.session_manager = manager.SessionManager(options) if http.sessions_enabled else None
+    manager.session_manager = bounded_manager(options, http.max_sessions) if http.sessions_enabled else None
     return standards
 
 

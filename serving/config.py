@@ -73,6 +73,7 @@ class HttpSettings:
     sessions_enabled: bool = True           # SageMaker stateful sessions
     session_ttl_s: int = 1200
     sessions_path: Optional[str] = None     # the standards library's session folder (its default: /dev/shm)
+    max_sessions: int = 1000                # open sessions at most (serving.sessions)
     max_n: int = DEFAULT_MAX_N              # most choices one request may ask for (n)
 
 
@@ -211,6 +212,7 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         sessions_enabled=_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
         session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
         sessions_path=env.get("SAGEMAKER_SESSIONS_PATH") or None,
+        max_sessions=_int(env, "SERVING_MAX_SESSIONS", 1000, minimum=1),
         max_n=_int(env, "SERVING_MAX_N", DEFAULT_MAX_N, minimum=1),
         drain_timeout_s=float(_int(env, "SERVING_DRAIN_SECONDS", int(DRAIN_SECONDS), minimum=0)),
     )

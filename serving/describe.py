@@ -19,6 +19,7 @@ HTTP_VARIABLES = (
     ("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "stateful sessions", lambda h: "on" if h.sessions_enabled else "off"),
     ("SAGEMAKER_SESSIONS_EXPIRATION", "session lifetime (s)", lambda h: str(h.session_ttl_s)),
     ("SAGEMAKER_SESSIONS_PATH", "session folder", lambda h: str(h.sessions_path)),
+    ("SERVING_MAX_SESSIONS", "open sessions at most", lambda h: str(h.max_sessions)),
     ("SERVING_HOST", "bind address", lambda h: h.host),
     ("SERVING_MAX_N", "most choices per request (n)", lambda h: str(h.max_n)),
     ("SERVING_DRAIN_SECONDS", "drain deadline after SIGTERM (s)", lambda h: f"{h.drain_timeout_s:.0f}"),

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 from cache.config import ConfigError
 from serving.config import EngineSettings
 from serving.engine_args import parse_engine_args
+from serving.leftovers import engine_ready
 from serving.model import fetch_model
 from serving.weights import with_weights_fingerprint
 from serving.metrics import RequestOutcome, now, outcome_from_output
@@ -166,6 +167,7 @@ class Engine:
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
+        await asyncio.to_thread(engine_ready)  # hold our engine's file store; clean up again
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
         self.tasks = tuple(await self.client.get_supported_tasks())

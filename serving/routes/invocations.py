@@ -9,7 +9,8 @@
 Built on the SageMaker standards library (``model_hosting_container_standards``), as
 vLLM's own SageMaker router is: its session manager intercepts session requests and
 checks the ``X-Amzn-SageMaker-Session-Id`` of every other request (unknown or closed:
-400; ``NEW_SESSION`` on an ordinary request is served as one), its adapter injection
+400; ``NEW_SESSION`` on an ordinary request is served as one; at most
+``SERVING_MAX_SESSIONS`` open, a new one past that is a 429: ``serving.sessions``), its adapter injection
 puts ``X-Amzn-SageMaker-Adapter-Identifier`` (inference components' LoRA adapters) in
 the body's ``model``, and a custom invocation handler (``CUSTOM_FASTAPI_INVOCATION_HANDLER``
 or ``custom_sagemaker_invocation_handler`` in the model's ``model.py``) replaces this one.
@@ -26,6 +27,7 @@ from fastapi.responses import Response
 
 from serving.errors import response_for
 from serving.pipeline import serve, shape_of
+from serving.sessions import limit_sessions
 
 
 async def invocations(raw_request: Request) -> Response:
@@ -39,9 +41,9 @@ async def invocations(raw_request: Request) -> Response:
 
 
 def router(standards) -> APIRouter:
-    handler = standards.register_invocation_handler(
+    handler = standards.register_invocation_handler(limit_sessions(
         standards.stateful_session_manager()(
-            standards.inject_adapter_id(adapter_path="model")(invocations)))
+            standards.inject_adapter_id(adapter_path="model")(invocations))))
     r = APIRouter()
     r.add_api_route("/invocations", handler, methods=["POST"])
     return r

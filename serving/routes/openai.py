@@ -5,7 +5,8 @@
 HyperPod's samples point ``invocationEndpoint`` at ``v1/chat/completions``; a client
 written for ``vllm serve`` works unchanged. Every POST goes through the same guard
 and the same path as ``/invocations`` (``serving.pipeline``): the same validation,
-errors, metrics and shutdown behaviour. Event loop; nothing blocks.
+errors, metrics and shutdown behaviour, and the same check of a
+``X-Amzn-SageMaker-Session-Id`` header (``serving.sessions``). Event loop; nothing blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from serving.errors import error_response, response_for
 from serving.pipeline import serve
+from serving.sessions import check_session_header
 
 SHAPES = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
           "/v1/embeddings": "embeddings", "/classify": "classify", "/score": "score",
@@ -27,6 +29,9 @@ SHAPES = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
 def _route(shape: str):
     async def endpoint(raw_request: Request) -> Response:
         raw_request.state.shape = shape
+        refused = check_session_header(raw_request)   # as /invocations checks it
+        if refused is not None:
+            return refused
         try:
             payload = json.loads(await raw_request.body())
         except Exception as e:
