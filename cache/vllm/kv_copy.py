@@ -198,6 +198,8 @@ class BlockCopier:
         """A new host tensor (the entry) holding ``block_ids`` of every layer; returns once
         copied. Uses no staging slot."""
         host = torch.empty(self.layout.entry_shape(self._per_group(block_ids)), dtype=self.layout.dtype)
+        if self.cuda:
+            self.streams.select()
         self._gather(block_ids, host).wait()
         return host
 
@@ -207,6 +209,8 @@ class BlockCopier:
         skipped (counted), never waited for. On CUDA, call ``fence`` before the compute
         stream may write these blocks again (the next forward pass)."""
         n = self._per_group(block_ids)
+        if self.cuda:
+            self.streams.select()  # first: the pool's take may query the events of copies in flight
         if self.staging is None:
             return self._gather(block_ids, torch.empty(self.layout.entry_shape(n), dtype=self.layout.dtype))
         slot = self.staging.take(n * self.layout.bytes_per_block(), "save")
@@ -215,13 +219,13 @@ class BlockCopier:
         return self._gather(block_ids, slot.view(self.layout.dtype, self.layout.entry_shape(n)), slot)
 
     def _gather(self, block_ids: Sequence[int], host: torch.Tensor, slot=None) -> Gathered:
+        """Copy into ``host`` (``slot``'s, if any); the caller selected the device."""
         words = self.layout.entry_words(host, writable=True)
         if not self.cuda:
             self._cpu_copy(block_ids, words, into_cache=False)
             pool = self.staging
             return Gathered(host, _done, (lambda: pool.release(slot)) if slot is not None else _done)
         s = self.streams
-        s.select()
         order = s.mark(s.current())  # the compute stream: taken before ours becomes current
         with self._lock, s.using(self._stream):
             s.wait(self._stream, order)  # after the forward pass that wrote the blocks

@@ -3,7 +3,10 @@ the salt of one request's prefix (``prefix_salt``).
 
 Runs in the scheduler and in every worker at start-up; both must derive the same
 namespace from the same configuration, so it is built only from ``VllmConfig`` and
-``KVCacheConfig`` (never from tensors).
+``KVCacheConfig`` (never from tensors). It holds the KV cache spec, not the physical
+layout vLLM cuts the cache in, nor its kernel block size: entries hold one canonical
+order whatever those are (``cache.vllm.kv_layout``), so engines that differ only there
+share entries.
 """
 
 from __future__ import annotations
