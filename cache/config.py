@@ -39,7 +39,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
-from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, GiB, dram_tier
+from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, WRITE_BEHIND_BYTES, GiB, dram_tier, staging_bytes
 from cache.prompts import read_prompt_file
 from cache.sizes import ConfigError, disk_tier_bytes, memory_limit, parse_size
 from cache.weights import MODES as WEIGHTS_HASHES
@@ -62,6 +62,7 @@ SETTINGS = (
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_PIN_TENANT_MAX",
     "KVCACHE_LOAD_DECISION", "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
+    "KVCACHE_STAGING_SIZE",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -143,6 +144,10 @@ class CacheConfig:
     weights_hash: str = "sampled"
     # That fingerprint, taken once by the server for every process ("": each process takes it).
     weights_fingerprint: str = ""
+    # Host memory per worker (one per GPU) that copies between the KV cache and the tiers
+    # go through (cache.vllm.staging): pinned on GPUs, allocated once at start-up, counted
+    # in the DRAM sizing. A save that finds it full is skipped (a future miss).
+    staging_bytes: int = WRITE_BEHIND_BYTES
     # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
     # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
     signing_key: str = field(default="", repr=False)
@@ -275,21 +280,25 @@ def _bool(r: _Reader, name: str, default: bool) -> bool:
 
 
 def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Optional[int] = None,
-                       reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None) -> CacheConfig:
+                       reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None,
+                       workers: int = 1) -> CacheConfig:
     """The one place that turns the environment into a ``CacheConfig``.
 
     ``ram_bytes``: the RAM the container may use (default: measured); percentages of
     ``KVCACHE_DRAM_SIZE`` and its default are taken of it. ``reserved_ram_bytes``: RAM the
     DRAM default must leave to others (the model weights, vLLM's CPU KV pool), and
-    ``kv_bytes_per_token``: the model's, both known to the server. Raises ``ConfigError``."""
+    ``kv_bytes_per_token``: the model's, both known to the server; ``workers``: the
+    engine's worker processes (GPUs), whose staging memory the DRAM default leaves too.
+    Raises ``ConfigError``."""
     r = _Reader(os.environ if env is None else env)
     ram = memory_limit() if ram_bytes is None else ram_bytes
     d = CacheConfig()
     notes: list[str] = []
     chunk_tokens = _positive_int(r, "KVCACHE_CHUNK_TOKENS", d.chunk_tokens)
     entry = chunk_tokens * kv_bytes_per_token + ENTRY_OVERHEAD if kv_bytes_per_token else None
+    staging = staging_bytes(r.get("KVCACHE_STAGING_SIZE"), entry, notes)
     dram_path, dram_bytes = dram_tier(r.get("KVCACHE_DRAM_SIZE"), r.get("KVCACHE_DRAM_PATH"), ram,
-                                      reserved_ram_bytes, entry, notes)
+                                      reserved_ram_bytes + staging * max(1, workers), entry, notes)
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
     disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     disk_direct_reads = _bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
@@ -320,8 +329,8 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
                        shared_admission=admission, policy=policy, io_threads=io_threads,
                        pin_max=pin_max, pin_tenant_max=pin_tenant_max, load_decision=load_decision,
-                       layered_loads=layered_loads, weights_hash=weights_hash, signing_key=signing_key,
-                       notes=tuple(notes))
+                       layered_loads=layered_loads, weights_hash=weights_hash, staging_bytes=staging,
+                       signing_key=signing_key, notes=tuple(notes))
 
 
 _HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")

@@ -3,7 +3,8 @@
 Given ``KVCACHE_DRAM_SIZE`` and ``KVCACHE_DRAM_PATH`` (their texts; ``cache.config`` reads
 them) and the machine: the wanted size is the setting (bytes, or a share of the RAM the
 container may use), else ``DRAM_SHARE`` of that RAM less what the model weights, vLLM's
-CPU KV pool and ``DRAM_MARGIN`` need. The folder's filesystem must hold it: a pod's
+CPU KV pool, the workers' staging memory (``staging_bytes``, also decided here) and
+``DRAM_MARGIN`` need. The folder's filesystem must hold it: a pod's
 ``/dev/shm`` is 64 MiB, Docker's too, and a tier that cannot hold one chunk caches
 nothing. What a user expects, and what this does: never silently. Each decision is a
 note for the start-up log and plan. Runs at start-up; reads ``/proc/mounts`` and a few
@@ -21,7 +22,10 @@ GiB = 1 << 30
 DEFAULT_DRAM_PATH = "/dev/shm/kvcache"
 DRAM_SHARE = 0.20          # default L1 size: share of the RAM the container may use ...
 DRAM_MARGIN = 4 * GiB      # ... leaving this much (server, tokenizer, Python heaps) beyond
-                           # the model weights and vLLM's CPU KV pool
+                           # the model weights, vLLM's CPU KV pool and the workers' staging memory
+WRITE_BEHIND_BYTES = 1 << 30  # saves queued per worker at most (cache.store's max_pending_bytes)
+STAGING_CHUNKS = 64           # default staging memory per worker: this many chunks of the model,
+                              # at most WRITE_BEHIND_BYTES (that, when the model is not known)
 
 
 def dram_tier(text: Optional[str], given_path: Optional[str], ram: int, reserved: int, entry: Optional[int],
@@ -87,3 +91,20 @@ def _roomier_memory_folder(want: int) -> Optional[tuple[int, str]]:
             continue
         return room, folder
     return None
+
+
+def staging_bytes(text: Optional[str], entry: Optional[int], notes: list[str]) -> int:
+    """Host staging memory per worker (``cache.vllm.staging``; pinned on GPUs):
+    ``KVCACHE_STAGING_SIZE`` in bytes (no percentage: it is memory per worker), or the
+    default: ``STAGING_CHUNKS`` entries of the model (``entry`` bytes each, when known),
+    at most ``WRITE_BEHIND_BYTES``."""
+    name = "KVCACHE_STAGING_SIZE"
+    if text is None:
+        return min(WRITE_BEHIND_BYTES, STAGING_CHUNKS * entry) if entry else WRITE_BEHIND_BYTES
+    nbytes = parse_size(text, None, name)
+    if nbytes <= 0:
+        raise ConfigError(f"{name}={text!r} must be above 0: every save and GPU load is copied through it")
+    if entry and nbytes < entry:
+        notes.append(f"WARNING: {name}={text} holds less than one chunk of this model ({entry:,} bytes "
+                     "on one GPU): each worker stages one chunk at a time, and skips saves meanwhile")
+    return nbytes

@@ -53,7 +53,7 @@ CAUSES = {                                      # why KV was computed instead
                     "(or forgotten, beyond the record's horizon)",
     "evicted": "removed by the tier's eviction policy (or by another process sharing the folder)",
     "not_admitted": "not stored: the tier's admission policy refused it, it did not fit the tier, its "
-                    "save was dropped (queue full), or the request said kvcache_save: false",
+                    "save was dropped (queue or staging memory full), or the request said kvcache_save: false",
     "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter (counted "
                        "on /metrics only: the request itself is told never_stored)",
     "damaged": "the entry failed its checks (header, checksum, size, layout) and was dropped",

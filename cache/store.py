@@ -316,7 +316,7 @@ class TieredStore:
     # -- writes (write-behind) -------------------------------------------------
     def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
             shared: bool = False, on_done: Optional[Callable[[str], None]] = None,
-            ready: Optional[Callable[[], None]] = None) -> bool:
+            ready: Optional[Callable[[], None]] = None, borrowed: bool = False) -> bool:
         """Queue ``payload`` for the top tier; returns at once. The caller must not
         change ``payload`` afterwards. ``shared`` publishes it to the shared tier too,
         whatever the admission rule (a prefix marked shared, e.g. by the warm tool).
@@ -324,7 +324,9 @@ class TieredStore:
         stall). ``on_done(key)`` runs once the write is settled (stored, refused by
         the policy, failed or dropped), on the writer thread or, when dropped, here.
         ``ready()``, if given, returns once ``payload`` holds its bytes (a device copy
-        still in flight); the writer thread calls it before reading them."""
+        still in flight); the writer thread calls it before reading them. ``borrowed``:
+        the caller reuses ``payload`` once ``on_done`` ran (a staging slot), so a publish
+        to the shared tier, queued past the write, takes a copy."""
         assert self._io is not None, "lookup-only store"
         nbytes = memoryview(payload).nbytes
         with self._lock:
@@ -345,7 +347,7 @@ class TieredStore:
                 on_done(key)
 
         self._submit(self._write_new, key, parent, dtype, tuple(shape), payload, shared,
-                     ready).add_done_callback(settled)
+                     ready, borrowed).add_done_callback(settled)
         return True
 
     def _unpend(self, nbytes: int) -> None:
@@ -370,7 +372,7 @@ class TieredStore:
         except Exception:  # background work must never take the engine down
             log.exception("kvcache: background %s failed", getattr(fn, "__name__", fn))
 
-    def _write_new(self, key, parent, dtype, shape, payload, shared=False, ready=None) -> None:
+    def _write_new(self, key, parent, dtype, shape, payload, shared=False, ready=None, borrowed=False) -> None:
         if ready is not None:
             ready()
         header = encode_header(self.namespace, key, dtype, shape, payload, self.signing_key, parent)
@@ -387,7 +389,7 @@ class TieredStore:
         with self._lock:
             admitted = self.admission.on_put(key)
         if shared or admitted or not local:
-            self._publish(key, [header, payload])
+            self._publish(key, [header, bytes(memoryview(payload).cast("B")) if borrowed else payload])
 
     # -- the shared tier -------------------------------------------------------
     def _publish(self, key: str, parts: list) -> None:

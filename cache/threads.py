@@ -12,6 +12,14 @@ On GPU workers, which vLLM does not bind, there are none and nothing moves.
 Writes are background work: their threads also run at a lower priority (nice +10), so
 that wherever they run, a thread on the request path (the engine loop, a load) comes
 first. Loads stay at normal priority: a request is waiting for them.
+
+GPU workers: the current CUDA device is per thread, and a thread that never selected
+one works on device 0 (with tensor parallelism, every rank's writer and loader threads
+would open a CUDA context on GPU 0, or copy across devices). Once the worker knows its
+device (``register_kv_caches``) it sets ``select_device``, which every thread started
+from then on calls first. Threads started earlier are covered by the copier, which
+selects its device at the start of every call that issues or waits on CUDA work
+(``cache.vllm.kv_copy``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +42,32 @@ def spare_cpus() -> frozenset[int]:
         return frozenset()
 
 
-def thread_setup(cpus: frozenset[int]) -> Callable[[str], None]:
-    """A function each background thread calls first with its role ("read", "write",
-    "publish", "load", or "shared": the shared tier's own threads): moves it onto
-    ``cpus`` (if any) and lowers writers' priority."""
+class ThreadSetup:
+    """What each background thread calls first with its role ("read", "write", "publish",
+    "load", or "shared": the shared tier's own threads): moves it onto ``cpus`` (if any),
+    lowers writers' priority, and selects the worker's CUDA device (``select_device``,
+    once set)."""
 
-    def setup(role: str) -> None:
+    def __init__(self, cpus: frozenset[int]) -> None:
+        self.cpus = cpus
+        self.select_device: Optional[Callable[[], None]] = None
+
+    def __call__(self, role: str) -> None:
         try:
-            if cpus:
-                os.sched_setaffinity(0, cpus)  # 0: the calling thread
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # 0: the calling thread
             if role in ("write", "publish"):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (AttributeError, OSError) as e:  # best effort: placement is not correctness
             log.debug("kvcache: could not place %s thread: %s", role, e)
+        select = self.select_device
+        if select is not None:
+            try:
+                select()
+            except Exception as e:  # (an initializer that raises breaks its thread pool)
+                log.warning("kvcache: %s thread could not select the worker's CUDA device: %s", role, e)
 
-    return setup
+
+def thread_setup(cpus: frozenset[int]) -> ThreadSetup:
+    """The setup of the cache's threads in this worker (see ``ThreadSetup``)."""
+    return ThreadSetup(cpus)

@@ -37,6 +37,7 @@ class TierPlan:
     engine_kv_bytes: Optional[int]        # vLLM's own KV pool (L0), estimated
     engine_kv_where: str                  # "GPU HBM" or "CPU (VLLM_CPU_KVCACHE_SPACE)"
     notes: tuple[str, ...] = ()
+    workers: int = 1                      # engine workers (GPUs), each with its staging memory
 
     def tokens(self, nbytes: Optional[int]) -> Optional[int]:
         if nbytes is None or self.footprint is None:
@@ -72,6 +73,10 @@ class TierPlan:
         lines.append(f"  {'L3 shared':<9} {(c.shared_url or 'off'):<34} "
                      f"{'shared' if c.shared_url else '':>11}"
                      + (f"  publishes: {c.shared_admission}" if c.shared_url else ""))
+        staged = "pinned host memory" if self.engine_kv_where.startswith("GPU") else "host memory"
+        lines.append(f"  {'staging':<9} {f'{self.workers} worker(s) x {human_bytes(c.staging_bytes)}':<34} "
+                     f"{human_bytes(c.staging_bytes * self.workers):>11}  {staged} for copies to and from "
+                     "the tiers (KVCACHE_STAGING_SIZE), left out of L1")
         lines.append(f"  chunks of {c.chunk_tokens} tokens, policy {c.policy}, "
                      f"{c.io_threads} I/O threads"
                      + (", entries signed" if c.signing_key else ""))
@@ -92,9 +97,11 @@ def plan_tiers(
     context_tokens: Optional[int] = None,
 ) -> TierPlan:
     """Resolve the cache configuration once. Raises ``cache.config.ConfigError``."""
+    workers = max(1, len(machine.gpus))  # tensor parallel over every GPU by default: a worker each
     cache = build_cache_config(env, ram_bytes=machine.ram_bytes,
                                reserved_ram_bytes=(weights_bytes or 0) + engine_cpu_kv_bytes,
-                               kv_bytes_per_token=footprint.bytes_per_token if footprint else None)
+                               kv_bytes_per_token=footprint.bytes_per_token if footprint else None,
+                               workers=workers)
     validate(cache)
     for note in cache.notes:  # also in the plan; said at once, where an operator looks
         log.warning("kvcache: %s", note)
@@ -115,7 +122,7 @@ def plan_tiers(
     if footprint is not None and footprint.state_layers:  # cache.vllm.groups decides at start-up
         notes += ("Mamba / linear-attention layers: the tiered cache turns itself off for this "
                   "model (vLLM serves it without; see the connector's start-up line)",)
-    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, notes)
+    return TierPlan(cache, footprint, context_tokens, engine_kv_bytes, where, notes, workers)
 
 
 def weights_bytes(model_dir: Optional[str]) -> Optional[int]:

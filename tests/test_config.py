@@ -144,8 +144,28 @@ def test_dram_default_is_a_share_of_ram_less_what_others_need(tmp_path):
     del e["KVCACHE_DRAM_SIZE"]
     gib = 2**30
     assert build_cache_config(e, ram_bytes=64 * gib).dram_bytes == int(64 * gib * 0.2)
-    capped = build_cache_config(e, ram_bytes=6 * gib, reserved_ram_bytes=1 * gib)
+    # RAM less weights (1 GiB), one worker's staging (the default: 1 GiB without the model) and 4 GiB
+    capped = build_cache_config(e, ram_bytes=7 * gib, reserved_ram_bytes=1 * gib)
     assert capped.dram_bytes == 1 * gib and any("RAM left" in n for n in capped.notes)
+
+
+def test_staging_memory_is_sized_up_front_and_left_out_of_the_dram_tier(tmp_path):
+    e = env(tmp_path)
+    del e["KVCACHE_DRAM_SIZE"]
+    gib, mib = 2**30, 2**20
+    assert build_cache_config(e).staging_bytes == gib  # the model unknown: the write-behind depth
+    # 64 chunks of the model (256 tokens x 4 KiB + header), at most 1 GiB per worker
+    small = build_cache_config(e, ram_bytes=64 * gib, kv_bytes_per_token=4096)
+    assert small.staging_bytes == 64 * (256 * 4096 + 256)
+    assert build_cache_config(e, ram_bytes=64 * gib, kv_bytes_per_token=128 * 1024).staging_bytes == gib
+    # every worker's (GPU's) staging is RAM the DRAM default leaves to them
+    four = build_cache_config({**e, "KVCACHE_STAGING_SIZE": "512MiB"}, ram_bytes=7 * gib, workers=4)
+    assert four.staging_bytes == 512 * mib and four.dram_bytes == 7 * gib - 4 * 512 * mib - 4 * gib
+    low = build_cache_config({**e, "KVCACHE_STAGING_SIZE": "1MiB"}, ram_bytes=64 * gib, kv_bytes_per_token=8192)
+    assert any("KVCACHE_STAGING_SIZE=1MiB holds less than one chunk" in n for n in low.notes)
+    for bad, why in (("10%", "percentage is not allowed"), ("0", "must be above 0"), ("lots", "not a size")):
+        with pytest.raises(ConfigError, match=why):
+            build_cache_config({**e, "KVCACHE_STAGING_SIZE": bad})
 
 
 # -- Curvine client ---------------------------------------------------------------------------

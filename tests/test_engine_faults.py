@@ -26,7 +26,7 @@ import pytest
 
 from cache.codec import decode
 from cache.tiers.layout import TMP_MARK, USAGE, USAGE_FILE
-from serving.leftovers import candidates, held_paths
+from serving.leftovers import candidates, held
 from tests.conftest import REPO, close_logprobs, engine_env
 from tests.engine_driver import entry_files
 from tests.test_engine import cache_spec, same_logprobs, tokens
@@ -115,10 +115,13 @@ def stopped(tree, timeout=2.0) -> None:
 def remove_vllm_leftovers(before: set) -> None:
     """What the killed engine's vLLM left in /dev/shm and /tmp (the server does this at
     start-up; these engines are not the server)."""
-    held = held_paths()
+    holders = held()
     for path in set(candidates()) - before:
-        if str(path) not in held:
-            path.unlink(missing_ok=True)
+        try:
+            if (path, path.lstat()) not in holders:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
 
 
 def entries_are_whole(folder) -> int:

@@ -183,9 +183,9 @@ def test_place_refuses_a_foreign_entry_shape():
         copier.place([0], 0, "bfloat16", (1, 1, 2, 3))     # foreign dtype
 
 
-def test_only_cpu_single_group_dim0_contiguous_caches_are_placeable():
-    flash = {"l0": torch.zeros(2, 6, 4)}  # blocks along dimension 1
-    assert not BlockCopier(flash, KVLayout.of(flash, 6)).placeable
+def test_only_cpu_single_group_contiguous_unsplit_caches_are_placeable():
+    split = {"l0": torch.zeros(12, 2, 4, 8)}  # two kernel blocks per block
+    assert not BlockCopier(split, KVLayout.of(split, 6)).placeable
     caches = {"l0": torch.zeros(6, 2, 3), "l1": torch.zeros(6, 2, 3)}
     assert not BlockCopier(caches, KVLayout.of(caches, 6), layer_groups=[0, 1]).placeable
     strided = {"l0": torch.zeros(6, 4, 3)[:, ::2]}

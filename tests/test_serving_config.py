@@ -263,9 +263,11 @@ def test_dram_default_is_a_share_of_ram(env):
 
 
 def test_dram_default_leaves_room_for_weights_and_engine(env):
-    box = Machine(ram_bytes=6 * GiB, cpus=2)  # 20% = 1.2 GiB; 6 - 1 (engine KV) - 4 (margin) = ~1 GiB
+    # 20% = 1.4 GiB; 7 - 1 (engine KV) - 1 (the worker's staging: 64 chunks, at most 1 GiB) - 4 (margin) = ~1 GiB
+    box = Machine(ram_bytes=7 * GiB, cpus=2)
     cfg = build_serving_config(env, box)
-    assert cfg.plan.cache.dram_bytes == 6 * GiB - 4096 - 1 * GiB - DRAM_MARGIN
+    assert cfg.plan.cache.staging_bytes == 1 * GiB
+    assert cfg.plan.cache.dram_bytes == 7 * GiB - 4096 - 1 * GiB - 1 * GiB - DRAM_MARGIN
     assert any("RAM left" in n for n in cfg.plan.notes)
 
 
@@ -286,6 +288,9 @@ def test_plan_block_is_readable(env):
     assert "L1 dram" in text and "~8,192 tokens = 1 full-length requests" in text
     assert "L2 disk" in text and "~16,384 tokens = 2 full-length requests" in text
     assert "L3 shared off" in " ".join(text.split())
+    assert "staging   1 worker(s) x 1.0 GiB" in text and "left out of L1" in text
+    gpus = " ".join(build_serving_config({**env, "KVCACHE_STAGING_SIZE": "256MiB"}, GPU_BOX).describe().split())
+    assert "staging 4 worker(s) x 256.0 MiB 1.0 GiB pinned host memory" in gpus
 
 
 # -- HTTP settings from the toolkit ---------------------------------------------

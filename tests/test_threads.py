@@ -30,7 +30,9 @@ def test_every_cache_thread_runs_on_the_spare_cpus(tmp_path):
                               "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3", "KVCACHE_SHARED_ADMISSION": "all"})
     ns = Namespace("m", "d", "uint8", "x")
     built = {}
-    before = {th.ident for th in threading.enumerate()}  # other tests' tiers may leave threads
+    # Other tests' tiers may leave threads. Thread objects, not idents: a thread that ends
+    # gives its ident to the next one started, which would then be taken for an old one.
+    before = set(threading.enumerate())
 
     def build():  # as a worker's main thread, bound to its compute cores, builds the store
         os.sched_setaffinity(0, compute)
@@ -50,7 +52,7 @@ def test_every_cache_thread_runs_on_the_spare_cpus(tmp_path):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             names = {th.name: th.native_id for th in threading.enumerate()
-                     if th.name.startswith("kvcache-") and th.ident not in before}
+                     if th.name.startswith("kvcache-") and th not in before}
             if all(_affinity(tid) == set(spare) for tid in names.values()):
                 break
             time.sleep(0.05)

@@ -1,81 +1,61 @@
-"""Copies between vLLM's paged KV tensors and host buffers, for CPU and CUDA tensors.
+"""Copies between vLLM's paged KV cache and host entries, for CPU and CUDA caches.
 
-Runs in the vLLM worker process. ``gather`` is called after the forward pass (saves),
-``scatter`` before it (synchronous loads) or from a loader thread (asynchronous loads,
-into blocks no running request uses).
+Runs in the vLLM worker process. ``gather_async`` on the forward thread after the
+forward pass was launched (saves: ``wait_for_save``); ``scatter`` on the forward thread
+before it (synchronous loads) or on a loader thread (asynchronous loads, into blocks no
+running request uses); ``place`` (CPU only) hands a reader the cache's own memory.
 
-Layout: vLLM hands each attention layer's KV cache as one tensor whose block dimension
-is 0 (CPU backend ``[blocks, 2, ...]``, MLA ``[blocks, block_size, dim]``) or 1 (flash
-attention ``[2, blocks, ...]``). An entry holds every layer for a run of blocks:
-``[layers, *layer_shape with blocks=n]``, contiguous, in the model's KV dtype.
+Layout (``cache.vllm.kv_layout``): vLLM 0.32 hands one ``[B, H, N, C]`` view per layer
+of one int8 buffer, in one of six physical layouts, maybe split into kernel blocks;
+``KVLayout`` turns each into a view of words with manager blocks along dimension 0
+and each block's values in the canonical order entries hold: ``[layers, blocks, H, N,
+C]``, contiguous, the cache's dtype named in the entry's header.
 
 Hybrid models (``cache.vllm.groups``): a copier may span several KV cache groups,
 each with its own block table. It is then built with ``layer_groups`` (each layer's
 group) and given the blocks of every group back to back, ``n`` per group; layer *i*
-uses the run of its group. Layers of different groups may share one tensor (vLLM's
+uses the run of its group. Layers of different groups may share one buffer (vLLM's
 hybrid allocator): their blocks never overlap.
 
-On CUDA the host side is pinned memory and copies run on the copier's own stream,
-ordered after the compute stream's work on the same blocks. Nothing is reused before
-the copy that reads or writes it has completed (a missing sync here garbled restored KV
-in vLLM's simple CPU offload, vllm#45704):
-- ``scatter`` returns once its blocks hold the data (the caller then schedules them);
-- ``gather_async`` returns at once with the host tensor and a ``wait`` the reader calls
-  before touching it (the writer thread, not the forward pass, waits); the blocks
-  themselves are protected by ``fence``, which makes the compute stream wait for the
-  copies issued so far before the next forward pass may overwrite a block;
-- ``compute_mark`` lets a load started on another thread wait for the compute stream's
-  work queued before it (e.g. vLLM zeroing freshly allocated blocks).
+Host memory: entries are staged in the worker's bounded pool (``cache.vllm.staging``):
+pinned on CUDA, one slot per entry in flight, nothing pinned per call.
+
+Order on CUDA (the stream calls are ``cache.vllm.streams``). Copies run on the copier's
+own stream. The compute stream is taken, with an event recorded on it, *before* the
+copier's stream becomes current (inside it, "the current stream" is the copier's own),
+and every method first selects the copier's device on the calling thread:
+- ``gather_async`` copies after the work queued on the compute stream so far (the
+  forward pass that wrote the blocks) and returns at once with the host entry, a
+  ``wait`` the writer thread calls before reading it, and a ``release`` of its staging
+  slot; ``fence`` makes the compute stream wait for the gathers issued so far before
+  the next forward pass may overwrite their blocks;
+- ``scatter`` from the forward thread copies after the compute stream's queued work
+  (a block's last reader may still be queued: vLLM schedules ahead) and makes the
+  compute stream wait for the copy: the host does not block;
+- ``scatter`` from another thread copies after ``after``, a ``compute_mark`` taken on the
+  forward thread (e.g. after vLLM zeroed freshly allocated blocks), and returns once the
+  blocks hold the data (the load is then reported finished);
+- nothing is reused before the copy that reads or writes it has ended: a staging slot
+  only after the copy's event (a missing sync garbled restored KV in vLLM's simple CPU
+  offload, vllm#45704).
+On the CPU every copy is done when the method returns.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from cache.vllm.kv_layout import KVLayout, check_entry
+from cache.vllm.staging import StagingPool, staging_pool
+from cache.vllm.streams import CudaStreams
 
-@dataclass(frozen=True)
-class KVLayout:
-    layer_names: tuple[str, ...]
-    block_dim: int
-    layer_shape: tuple[int, ...]   # one layer's tensor shape, all blocks
-    dtype: torch.dtype
+__all__ = ["BlockCopier", "Gathered", "KVLayout", "MAX_SLICE_RUNS", "copiers_for"]
 
-    @classmethod
-    def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> "KVLayout":
-        names = tuple(kv_caches)
-        first = kv_caches[names[0]]
-        for name, t in kv_caches.items():
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise ValueError(f"KV layer {name} differs in shape or dtype from {names[0]}; "
-                                 "hybrid KV layouts are not supported")
-        if first.shape[0] == num_blocks:
-            block_dim = 0
-        elif first.ndim > 1 and first.shape[1] == num_blocks:
-            block_dim = 1
-        else:
-            raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in KV "
-                             f"shape {tuple(first.shape)}")
-        return cls(names, block_dim, tuple(first.shape), first.dtype)
-
-    def entry_shape(self, n_blocks: int) -> tuple[int, ...]:
-        shape = list(self.layer_shape)
-        shape[self.block_dim] = n_blocks
-        return (len(self.layer_names), *shape)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def bytes_per_block(self) -> int:
-        per_layer = self.dtype.itemsize
-        for i, d in enumerate(self.layer_shape):
-            if i != self.block_dim:
-                per_layer *= d
-        return per_layer * len(self.layer_names)
+log = logging.getLogger(__name__)
 
 
 def _done() -> None:
@@ -100,30 +80,60 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 MAX_SLICE_RUNS = 4
 
 
+class Gathered:
+    """A save's copy, maybe still in flight: ``host`` (the entry) holds the blocks once
+    ``wait()`` returned; ``release()`` gives its staging slot back (any thread, once)."""
+
+    __slots__ = ("host", "wait", "_release")
+
+    def __init__(self, host: torch.Tensor, wait: Callable[[], None], release: Callable[[], None]) -> None:
+        self.host, self.wait, self._release = host, wait, release
+
+    def release(self) -> None:
+        release, self._release = self._release, _done
+        release()
+
+    def then(self, settled: Callable[[str], None]) -> Callable[[str], None]:
+        """``settled(key)``, after releasing the slot: the store's ``on_done``."""
+        def done(key: str) -> None:
+            self.release()
+            settled(key)
+        return done
+
+
 class BlockCopier:
-    """Moves whole blocks between the KV cache and host tensors."""
+    """Moves whole blocks between the KV cache and host entries."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout,
-                 layer_groups: Optional[Sequence[int]] = None) -> None:
+                 layer_groups: Optional[Sequence[int]] = None, staging: Optional[StagingPool] = None,
+                 streams=None) -> None:
+        """``staging``: the worker's pool (None: a new host tensor per gather, pageable).
+        ``streams``: the stream calls (default: ``CudaStreams`` for a CUDA cache, none on
+        the CPU); a test passes a recorder, which runs the stream path on CPU tensors."""
         self.layout = layout
-        self.caches = [kv_caches[n] for n in layout.layer_names]
+        self.caches = layout.views(kv_caches)  # canonical word views, blocks along dim 0
+        self._layers = [kv_caches[n] for n in layout.layer_names]
         # each layer's run in a call's block ids (one run for all layers by default)
         self.layer_groups = tuple(layer_groups) if layer_groups is not None else (0,) * len(self.caches)
         self.n_groups = max(self.layer_groups, default=0) + 1
-        self.device = self.caches[0].device
-        self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._lock = threading.Lock()  # one copy at a time on the stream
-        self._last: Optional["torch.cuda.Event"] = None  # end of the last gather not yet fenced
+        self.device = self._layers[0].device
+        if streams is None and self.device.type == "cuda":
+            streams = CudaStreams(self.device)
+        self.streams = streams
+        self.cuda = streams is not None  # copies ordered on streams
+        self.staging = staging
+        self._stream = streams.new_stream() if streams is not None else None
+        self._lock = threading.Lock()  # one copy's launches at a time on the stream
+        self._last = None  # event: end of the last gather not yet fenced
         self._bytes = None  # ``place``: each layer's memory as a numpy byte array
 
     @property
     def placeable(self) -> bool:
         """Whether entries can be read straight into this cache's blocks (``place``): CPU
-        tensors, one KV cache group, blocks along dimension 0 of contiguous layers, so a
-        run of consecutive blocks is one contiguous span of memory."""
-        return (not self.cuda and self.n_groups == 1 and self.layout.block_dim == 0
-                and all(c.is_contiguous() for c in self.caches))
+        tensors, one KV cache group, contiguous layers whose blocks are not split
+        (so a layer's memory is its blocks in canonical order, one after the other)."""
+        return (not self.cuda and self.n_groups == 1 and self.layout.split == 1
+                and all(t.is_contiguous() for t in self._layers))
 
     def place(self, block_ids: Sequence[int], skip_blocks: int, dtype: str,
               shape: Sequence[int]) -> list[memoryview]:
@@ -133,17 +143,13 @@ class BlockCopier:
         the others into a scratch buffer (read only to be verified). Only for a
         ``placeable`` copier; ``ValueError`` when the entry does not fit this cache."""
         n = len(block_ids)
-        held = shape[1] if len(shape) > 1 else 0
-        if dtype != self.layout.dtype_name or held < skip_blocks + n \
-                or tuple(shape) != self.layout.entry_shape(held):
-            raise ValueError(f"entry {dtype} {tuple(shape)} does not fit {skip_blocks + n} blocks "
-                             f"of {self.layout.dtype_name} {self.layout.entry_shape(skip_blocks + n)}")
-        block_bytes = self.layout.bytes_per_block() // len(self.caches)
+        held = check_entry(self.layout, dtype, shape, skip_blocks + n)
+        block_bytes = self.layout.block_bytes()
         spare = held - n
         scratch = memoryview(bytearray(block_bytes * max(skip_blocks, spare - skip_blocks))) if spare else None
         runs = _runs(block_ids)
         if self._bytes is None:  # each layer's tensor as bytes, made once
-            self._bytes = [c.view(-1).view(torch.uint8).numpy() for c in self.caches]
+            self._bytes = [t.view(-1).view(torch.uint8).numpy() for t in self._layers]
         views: list[memoryview] = []
         for raw in self._bytes:
             if skip_blocks:
@@ -154,118 +160,170 @@ class BlockCopier:
                 views.append(scratch[:(held - skip_blocks - n) * block_bytes])
         return views
 
-    def _index(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
-        """Each layer's index tensor: the run of ``block_ids`` of its group."""
+    def _per_group(self, block_ids: Sequence[int]) -> int:
         n, odd = divmod(len(block_ids), self.n_groups)
         if odd:
             raise ValueError(f"{len(block_ids)} block ids do not split into {self.n_groups} groups")
+        return n
+
+    def _index(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Each layer's index tensor: the run of ``block_ids`` of its group."""
+        n = self._per_group(block_ids)
         ids = torch.tensor(block_ids, dtype=torch.long).view(self.n_groups, n)
         if self.cuda:
-            # From pinned memory, asynchronously: a copy from pageable memory would make this
-            # thread wait for everything already queued on the current stream.
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
+            ids = self.streams.to_device(ids)
         return [ids[g] for g in self.layer_groups]
 
     def _cpu_copy(self, block_ids: Sequence[int], entry: torch.Tensor, into_cache: bool) -> None:
-        """Copy between the CPU KV cache's ``block_ids`` and ``entry`` (``[layers, ..n
-        blocks..]``, any strides): slice copies per run of consecutive blocks, or
+        """Copy between the CPU KV cache's ``block_ids`` and ``entry`` (words, ``[layers,
+        n blocks, ...]``, any strides): slice copies per run of consecutive blocks, or
         ``index_copy_``/``index_select`` when the blocks are scattered."""
-        bd = self.layout.block_dim
-        n, odd = divmod(len(block_ids), self.n_groups)
-        if odd:
-            raise ValueError(f"{len(block_ids)} block ids do not split into {self.n_groups} groups")
+        n = self._per_group(block_ids)
         runs = [_runs(block_ids[g * n:(g + 1) * n]) for g in range(self.n_groups)]
         if max(len(r) for r in runs) > MAX_SLICE_RUNS:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
                 if into_cache:
-                    cache.index_copy_(bd, idx[i], entry[i])
+                    cache.index_copy_(0, idx[i], entry[i])
                 else:
-                    torch.index_select(cache, bd, idx[i], out=entry[i])
+                    torch.index_select(cache, 0, idx[i], out=entry[i])
             return
         for i, cache in enumerate(self.caches):
             for pos, first, length in runs[self.layer_groups[i]]:
-                blocks, held = cache.narrow(bd, first, length), entry[i].narrow(bd, pos, length)
+                blocks, held = cache.narrow(0, first, length), entry[i].narrow(0, pos, length)
                 (blocks if into_cache else held).copy_(held if into_cache else blocks)
 
+    # -- saves -------------------------------------------------------------------
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A new host tensor holding ``block_ids`` of every layer. Returns once copied."""
-        host, wait = self.gather_async(block_ids)
-        wait()
+        """A new host tensor (the entry) holding ``block_ids`` of every layer; returns once
+        copied. Uses no staging slot."""
+        host = torch.empty(self.layout.entry_shape(self._per_group(block_ids)), dtype=self.layout.dtype)
+        if self.cuda:
+            self.streams.select()
+        self._gather(block_ids, host).wait()
         return host
 
-    def gather_async(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Callable[[], None]]:
-        """Start copying ``block_ids`` of every layer into a new host tensor; returns it
-        and ``wait()``, which returns once the tensor holds them. On the CPU the copy is
-        done when this returns. On CUDA, call ``fence`` before the compute stream may
-        write these blocks again (the next forward pass)."""
-        shape = self.layout.entry_shape(len(block_ids) // self.n_groups)
-        bd = self.layout.block_dim
+    def gather_async(self, block_ids: Sequence[int]) -> Optional[Gathered]:
+        """Start copying ``block_ids`` of every layer into a staging slot (a new host
+        tensor without a pool). None when the pool has no slot free: the save is
+        skipped (counted), never waited for. On CUDA, call ``fence`` before the compute
+        stream may write these blocks again (the next forward pass)."""
+        n = self._per_group(block_ids)
+        if self.cuda:
+            self.streams.select()  # first: the pool's take may query the events of copies in flight
+        if self.staging is None:
+            return self._gather(block_ids, torch.empty(self.layout.entry_shape(n), dtype=self.layout.dtype))
+        slot = self.staging.take(n * self.layout.bytes_per_block(), "save")
+        if slot is None:
+            return None
+        return self._gather(block_ids, slot.view(self.layout.dtype, self.layout.entry_shape(n)), slot)
+
+    def _gather(self, block_ids: Sequence[int], host: torch.Tensor, slot=None) -> Gathered:
+        """Copy into ``host`` (``slot``'s, if any); the caller selected the device."""
+        words = self.layout.entry_words(host, writable=True)
         if not self.cuda:
-            out = torch.empty(shape, dtype=self.layout.dtype)
-            self._cpu_copy(block_ids, out, into_cache=False)
-            return out, _done
-        host = torch.empty(shape, dtype=self.layout.dtype, pin_memory=True)
-        with self._lock, torch.cuda.stream(self._stream):
-            # The forward pass that wrote these blocks ran on the compute stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._cpu_copy(block_ids, words, into_cache=False)
+            pool = self.staging
+            return Gathered(host, _done, (lambda: pool.release(slot)) if slot is not None else _done)
+        s = self.streams
+        order = s.mark(s.current())  # the compute stream: taken before ours becomes current
+        with self._lock, s.using(self._stream):
+            s.wait(self._stream, order)  # after the forward pass that wrote the blocks
             idx = self._index(block_ids)
-            staging = torch.empty(shape, dtype=self.layout.dtype, device=self.device)
+            staging = torch.empty(words.shape, dtype=words.dtype, device=self.device)
             for i, cache in enumerate(self.caches):
-                torch.index_select(cache, bd, idx[i], out=staging[i])
-            host.copy_(staging, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
+                torch.index_select(cache, 0, idx[i], out=staging[i])
+            words.copy_(staging, non_blocking=True)
+            done = s.mark(self._stream)
             self._last = done
-        return host, done.synchronize
+
+        def wait() -> None:  # on the writer thread
+            s.select()
+            s.synchronize(done)
+
+        pool = self.staging
+        return Gathered(host, wait, (lambda: pool.release(slot, after=done)) if slot is not None else _done)
 
     def fence(self) -> None:
         """Make the calling thread's (compute) stream wait for the gathers issued since
         the last fence: call it before a forward pass that may write blocks a gather is
         still reading. A GPU-side wait: the calling thread does not block. Called from
         the thread that issues the gathers."""
-        last, self._last = self._last, None
+        with self._lock:
+            last, self._last = self._last, None
         if last is not None:
-            torch.cuda.current_stream(self.device).wait_event(last)
+            self.streams.select()
+            self.streams.wait(self.streams.current(), last)
 
-    def compute_mark(self) -> Optional["torch.cuda.Event"]:
-        """An event after the work queued so far on the calling thread's stream, for a
-        ``scatter`` issued later from another thread (None on the CPU)."""
+    # -- loads -------------------------------------------------------------------
+    def compute_mark(self):
+        """An event after the work queued so far on the calling thread's (compute)
+        stream, for a ``scatter`` issued later from another thread (None on the CPU)."""
         if not self.cuda:
             return None
-        mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(self.device))
-        return mark
+        self.streams.select()
+        return self.streams.mark(self.streams.current())
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, skip_blocks: int = 0,
-                after: Optional["torch.cuda.Event"] = None) -> None:
-        """Write ``src`` (an entry, ``[layers, ..blocks..]``) into ``block_ids``, skipping
-        the entry's first ``skip_blocks`` blocks (and leaving out its blocks past those).
-        Returns once the blocks hold the data. On CUDA the writes come after the work
-        queued on the calling thread's stream, or after ``after`` (a ``compute_mark``
-        taken on the compute thread) when given."""
-        bd = self.layout.block_dim
-        n = len(block_ids) // self.n_groups
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, skip_blocks: int = 0, after=None) -> None:
+        """Write ``src`` (an entry, ``[layers, held blocks, ...]`` in the cache's dtype)
+        into ``block_ids``, skipping the entry's first ``skip_blocks`` blocks (and leaving
+        out its blocks past those). On CUDA: without ``after``, the caller is the forward
+        thread: the copy follows its stream's queued work and that stream waits for the
+        copy (returns at once); with ``after`` (a ``compute_mark``), the copy follows it
+        and this returns once the blocks hold the data."""
+        n = self._per_group(block_ids)
         if n == 0:
             return
-        held = src.shape[bd + 1] if src.ndim > bd + 1 else 0
+        held = src.shape[1] if src.ndim > 1 else 0
         if held < skip_blocks + n or tuple(src.shape) != self.layout.entry_shape(held):
-            raise ValueError(f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks")
-        part = src.narrow(bd + 1, skip_blocks, n)
+            raise ValueError(f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks "
+                             f"of {self.layout.entry_shape(skip_blocks + n)}")
+        part = self.layout.entry_words(src).narrow(1, skip_blocks, n)
         if not self.cuda:
             self._cpu_copy(block_ids, part, into_cache=True)
             return
-        with self._lock, torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
-            else:
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            pinned = part if part.is_pinned() else part.contiguous().pin_memory()
-            staging = pinned.to(self.device, non_blocking=True)
+        s = self.streams
+        s.select()
+        slot = None
+        if self.staging is not None:  # into pinned memory first, without holding the lock
+            slot = self.staging.take(n * self.layout.bytes_per_block(), "load")
+        if slot is not None:
+            host = slot.view(part.dtype, part.shape)
+            host.copy_(part)
+        else:  # no slot free: straight from the entry's (pageable) memory, slower
+            host = part
+        order = after if after is not None else s.mark(s.current())  # before ours is current
+        with self._lock, s.using(self._stream):
+            s.wait(self._stream, order)
+            dev = host.to(self.device, non_blocking=True)
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
-                cache.index_copy_(bd, idx[i], staging[i])
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        # Blocks written and the host buffer free again before we return.
-        done.synchronize()
+                cache.index_copy_(0, idx[i], dev[i])
+            done = s.mark(self._stream)
+        if slot is not None:
+            self.staging.release(slot, after=done)
+        if after is None:
+            s.wait(s.current(), done)  # the forward pass reads the blocks after the copy
+        else:
+            s.synchronize(done)  # the blocks hold the data before the load is reported
+
+
+def copiers_for(kv_caches: dict[str, torch.Tensor], groups, num_blocks: int, chunk_blocks: int,
+                staging_bytes: int, tiers: str = "") -> tuple[list[BlockCopier], StagingPool]:
+    """One copier per entry kind of ``groups`` (``cache.vllm.groups.GroupLayout``) over
+    vLLM's views, and the staging pool they share: ``staging_bytes`` in slots of the
+    largest chunk entry (``chunk_blocks`` blocks). ``ValueError``: views it cannot read."""
+    layouts = []
+    for kind in groups.kinds:
+        if groups.hybrid:  # the kind's layers, each reading its group's blocks
+            names, layer_groups = kind.layer_names, kind.layer_groups
+        else:  # one group: every layer in vLLM's order, as entries always held them
+            names, layer_groups = tuple(kv_caches), None
+        layout = KVLayout.of({n: kv_caches[n] for n in names}, num_blocks)
+        layouts.append((layout, layer_groups))
+        log.info("kvcache: %d KV layers%s, %s, %d bytes per block; tiers: %s", len(names),
+                 f" ({kind.tag})" if kind.tag else "", layout.describe(), layout.bytes_per_block(), tiers)
+    device = next(iter(kv_caches.values())).device
+    pool = staging_pool(staging_bytes, max(lay.bytes_per_block() for lay, _ in layouts) * chunk_blocks, device)
+    log.info("kvcache: %s on %s (KVCACHE_STAGING_SIZE)", pool.describe(), device)
+    return [BlockCopier(kv_caches, lay, lg, pool) for lay, lg in layouts], pool

@@ -75,6 +75,8 @@ COUNTERS = {
     "tokens_loaded": "Prompt tokens whose KV was loaded from the tier instead of recomputed",
     "persisted": "Reused entries copied down into the tier in the background, so a restart finds them",
     "dropped_persists": "Copies to disk of reused entries dropped because their queue was full (tier=all)",
+    "dropped_staging": "Saves skipped because no staging buffer was free (KVCACHE_STAGING_SIZE; tier=all)",
+    "unstaged_loads": "GPU loads copied from pageable memory because no staging buffer was free (tier=all)",
 }
 
 # ("<prefix>", "<field>") of keys "<prefix>:<label>.<field>" -> (metric name, label name, documentation)

@@ -11,6 +11,10 @@ process: a few MiB read, or the whole model with ``KVCACHE_WEIGHTS_HASH=full``).
 ``Salts`` runs in the scheduler, on its loop: a LoRA adapter is told apart by the
 content of its files (``cache.weights``), fingerprinted the first time a request names
 it (a few MiB read, once per adapter) and remembered.
+
+The namespace holds the KV cache spec, not the physical layout vLLM cuts the cache in,
+nor its kernel block size: entries hold one canonical order whatever those are
+(``cache.vllm.kv_layout``), so engines that differ only there share entries.
 """
 
 from __future__ import annotations

@@ -45,11 +45,12 @@ from cache.placed import BlockWriters, LoadEnded, Misfit
 from cache.store import ELSEWHERE
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
-from cache.vllm.kv_copy import BlockCopier, KVLayout
+from cache.vllm.kv_copy import BlockCopier, copiers_for
 from cache.vllm.layered import StepLoads
 from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
+from cache.vllm.staging import StagingPool
 from cache.vllm.step_clock import step_clock
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class WorkerSide:
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
+        self.staging: Optional[StagingPool] = None  # host buffers of copies (once registered)
         self.costs: Optional[LoadCosts] = None  # measurements for the cost model (once registered)
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
@@ -86,19 +88,14 @@ class WorkerSide:
         self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        chunk = 0  # bytes of the largest entry: one whole chunk of the kind with the most layers
-        for kind in self.layout.kinds:
-            if self.layout.hybrid:  # the kind's layers, each reading its group's blocks
-                names, groups = kind.layer_names, kind.layer_groups
-            else:  # one group: every layer in vLLM's order, as entries always held them
-                names, groups = tuple(kv_caches), None
-            layout = KVLayout.of({n: kv_caches[n] for n in names}, self.num_blocks)
-            self.copiers.append(BlockCopier(kv_caches, layout, groups))
-            log.info("kvcache: %d KV layers%s, block dim %d, %s, %d bytes per block; tiers: %s",
-                     len(layout.layer_names), f" ({kind.tag})" if kind.tag else "", layout.block_dim,
-                     layout.dtype_name, layout.bytes_per_block(), self.store.describe())
-            chunk = max(chunk, layout.bytes_per_block() * (self.config.chunk_tokens // self.block_size))
+        """Views checked (``ValueError``: ``kv_layout``), staging allocated, threads on this device."""
+        chunk_blocks = self.config.chunk_tokens // self.block_size
+        self.copiers, self.staging = copiers_for(kv_caches, self.layout, self.num_blocks, chunk_blocks,
+                                                 self.config.staging_bytes, self.store.describe())
+        if self.copiers[0].cuda:  # threads started from now on select it first
+            self._thread_setup.select_device = self.copiers[0].streams.select
         self.costs = LoadCosts(step_clock(self.copiers[0].device))
+        chunk = max(c.layout.bytes_per_block() for c in self.copiers) * chunk_blocks  # the largest entry
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
                 log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
@@ -340,7 +337,7 @@ class WorkerSide:
 
     def get_stats(self):
         """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
-        counters = self.store.counters()
+        counters = {**self.store.counters(), **(self.staging.counters() if self.staging else {})}
         if self.costs is not None:
             counters.update(self.costs.totals())
         return self._stats.take(counters, {"all.enabled": 1, **self.store.levels()})
@@ -360,12 +357,15 @@ class WorkerSide:
             return
         for chunk in meta.saves:
             copier = self.copiers[chunk.kind]
-            # On CUDA the copy is still running when put() queues it: the writer thread
-            # waits for it (ready), vLLM's next writes to blocks too (fence).
-            host, ready = copier.gather_async(chunk.block_ids)
-            self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(host.shape),
-                           host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
-                           on_done=self._on_settled, ready=ready)
+            # On CUDA the copy may still run when put() queues it: the writer thread waits (ready),
+            got = copier.gather_async(chunk.block_ids)  # vLLM's next writes to blocks too (fence)
+            if got is None:  # no staging slot free: skipped (a future miss), never waited for
+                self._on_event(chunk.key, "not_admitted", "all")
+                self._on_settled(chunk.key)
+                continue
+            self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(got.host.shape),
+                           got.host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
+                           on_done=got.then(self._on_settled), ready=got.wait, borrowed=True)
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
