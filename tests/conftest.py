@@ -78,3 +78,14 @@ def close_logprobs(a: dict, b: dict, tol: float = LOGPROB_TOL) -> bool:
         if tok_a != tok_b:
             return False
     return True
+
+
+@pytest.fixture(autouse=True)
+def _main_thread_left_as_found():
+    """No test may leave pytest's main thread niced or bound to other CPUs: every later
+    test, and every thread it starts, would inherit it (a writer thread's setup run on
+    the main thread once niced the rest of the suite)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0)
+    yield
+    after = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0)
+    assert after == before, f"the test left the main thread's (nice, CPUs) at {after}, was {before}"

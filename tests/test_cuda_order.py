@@ -172,4 +172,9 @@ def test_every_cache_thread_selects_the_workers_device_once_it_is_known():
         raise RuntimeError("no such device")
 
     setup.select_device = broken
-    setup("write")  # logged: a thread pool whose initializer raises would stop working
+    # logged: a thread pool whose initializer raises would stop working. On a thread of its
+    # own: a writer's setup lowers its thread's priority, for good (pytest's main thread
+    # once took it and every later test ran niced: test_threads then failed)
+    t = threading.Thread(target=setup, args=("write",), name="kvcache-write")
+    t.start()
+    t.join()
