@@ -25,7 +25,7 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from serving.config import EngineSettings
 from serving.engine_args import parse_engine_args
 from serving.leftovers import engine_ready
