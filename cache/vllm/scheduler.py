@@ -43,7 +43,7 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.curves import Curves
 from cache.explain import Explainer, Lookup
-from cache.keys import Namespace, chunk_keys
+from cache.keys import Namespace, prompt_chunks
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
@@ -163,16 +163,9 @@ class SchedulerSide:
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
-        salt = self.salt(request)
-        n, c = len(tokens), self.chunk
-        full, tail = divmod(n, c)
-        if tail < 2:  # a one-token tail would load nothing: the last token is always computed
-            tail = 0
-        keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
-        bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
-        kinds = self.layout.kinds
-        return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
-                for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+        cut, kinds = prompt_chunks(self.chain, tokens, self.chunk, self.salt(request)), self.layout.kinds
+        return [Chunk(k, cut[i - 1][0] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+                for i, (k, s, e) in enumerate(cut)]
 
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change the KV, not the token ids: never cached.
