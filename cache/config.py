@@ -28,17 +28,17 @@ one rule, in ``cache.dram``.
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
 an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``,
-``cache.dram``, ``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
+``cache.dram``, ``cache.curvine``, ``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from cache.curvine import curvine_client
 from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, WRITE_BEHIND_BYTES, GiB, dram_tier, staging_bytes
 from cache.prompts import read_prompt_file
 from cache.sizes import ConfigError, disk_tier_bytes, memory_limit, parse_size
@@ -51,7 +51,6 @@ __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "buil
 DEFAULT_DISK_PATH = "/tmp/kvcache"
 DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
 ENTRY_OVERHEAD = 256       # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
-CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
 CONNECTOR_KEY = "kvcache_config"  # the one key of kv_connector_extra_config we read
 
 # Every setting this module reads, and its deprecated aliases (old name -> new name).
@@ -303,7 +302,8 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     disk_direct_reads = _bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
-    conf, masters = _curvine_client(r, url)
+    conf, masters = curvine_client(r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or "",
+                                   url, r.raw("SAGEMAKER_BASE_DIR"))
     timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
     bandwidth = parse_size(r.get("KVCACHE_SHARED_BANDWIDTH") or "0", None, "KVCACHE_SHARED_BANDWIDTH")
     admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
@@ -331,32 +331,6 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        pin_max=pin_max, pin_tenant_max=pin_tenant_max, load_decision=load_decision,
                        layered_loads=layered_loads, weights_hash=weights_hash, staging_bytes=staging,
                        signing_key=signing_key, notes=tuple(notes))
-
-
-_HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")
-
-
-def _curvine_client(r: _Reader, url: str) -> tuple[str, tuple[str, ...]]:
-    """``KVCACHE_CURVINE_CONF`` (absolute; a relative path is inside the model folder,
-    ``SAGEMAKER_BASE_DIR``/model) and ``KVCACHE_CURVINE_MASTERS`` (``host:port`` each)."""
-    conf, masters_text = r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or ""
-    if conf and masters_text:
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} and KVCACHE_CURVINE_MASTERS={masters_text!r} "
-                          "are both set; give the Curvine client one of them")
-    masters = []
-    for item in filter(None, (m.strip() for m in masters_text.split(","))):
-        m = _HOST_PORT.fullmatch(item)
-        port = int(m.group(2) or CURVINE_MASTER_PORT) if m else 0
-        if not m or not 0 < port < 65536:
-            raise ConfigError(f"KVCACHE_CURVINE_MASTERS={masters_text!r}: {item!r} is not host:port")
-        masters.append(f"{m.group(1)}:{port}")
-    if conf and not os.path.isabs(conf):
-        model_dir = os.path.join(r.raw("SAGEMAKER_BASE_DIR") or "/opt/ml", "model")
-        conf = os.path.join(model_dir, conf)
-    if conf and url.startswith("curvine://") and not os.path.isfile(conf):
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} is not a file (a relative path is read "
-                          "inside the model folder)")
-    return conf, tuple(masters)
 
 
 def check_block_size(config: CacheConfig, block_size: int) -> None:
