@@ -43,6 +43,7 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.curves import Curves
 from cache.explain import Explainer, Lookup
+from cache.popularity import Popularity
 from cache.keys import Namespace, prompt_chunks
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
@@ -100,11 +101,14 @@ class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
-                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None) -> None:
-        """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown)."""
+                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None,
+                 popularity: Optional[Popularity] = None) -> None:
+        """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown);
+        ``popularity``: counts each request's chunks for the shared tier's notes (``cache.popularity``)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.curves = curves or Curves({}, config.policy)  # miss-ratio curves (cache.curves)
+        self.popularity = popularity
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -150,6 +154,8 @@ class SchedulerSide:
         if st.n_tokens != len(tokens):
             st.chunks, st.n_tokens = self._cut(tokens, request), len(tokens)
             self.curves.observe(st.chunks)  # once per request: the prompt does not change
+            if self.popularity is not None:
+                self.popularity.observe(st.chunks)
             if self.layout.windows:
                 st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
                                              self.chunk, self.retention_interval)
