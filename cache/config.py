@@ -18,9 +18,9 @@ Under plain ``vllm serve`` without ``kvcache_config``, each process builds the c
 from its own environment (same variables, same machine: the same answer, except that a
 percentage is resolved against the free space each process sees).
 
-Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``) and ``KVCACHE_WARM_PROMPTS``
+Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``), ``KVCACHE_WARM_PROMPTS``
 (``warm_prompts``), whose prompts file is parsed by ``cache.prompts.read_prompt_file``
-for the start-up check and for the warm tool alike. Names that belong to a registry
+for the start-up check and for the warm tool alike, and ``KVCACHE_WARM_DRAM`` (``warm_dram``). Names that belong to a registry
 (policies, shared admission modes) and the shared URL's filesystem are checked by
 ``cache.assembly.validate``, where those live. The DRAM tier's size and folder follow
 one rule, in ``cache.dram``.
@@ -46,7 +46,7 @@ from cache.weights import MODES as WEIGHTS_HASHES
 
 __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
            "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
-           "parse_size", "read_prompt_file", "warm_prompts"]
+           "parse_size", "read_prompt_file", "warm_dram", "warm_prompts"]
 
 DEFAULT_DISK_PATH = "/tmp/kvcache"
 DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
@@ -61,7 +61,7 @@ SETTINGS = (
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_PIN_TENANT_MAX",
     "KVCACHE_LOAD_DECISION", "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
-    "KVCACHE_STAGING_SIZE",
+    "KVCACHE_STAGING_SIZE", "KVCACHE_WARM_DRAM",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -371,3 +371,17 @@ def warm_prompts(env: Optional[Mapping[str, str]] = None,
                           "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
     read_prompt_file(path, name)
     return os.path.abspath(path)
+
+
+def warm_dram(env: Optional[Mapping[str, str]] = None, config: Optional[CacheConfig] = None) -> int:
+    """``KVCACHE_WARM_DRAM``: bytes of the hottest shared entries a new instance copies into
+    its DRAM tier, with the warm-prompt set, before ``/ping`` reports healthy
+    (``cache.dram_warm``); 0 when unset. A size or a share of the DRAM tier (``50%``), at
+    most the tier. ``config``: the cache that will run (None when it is off)."""
+    text = _Reader(os.environ if env is None else env).get("KVCACHE_WARM_DRAM")
+    if not text:
+        return 0
+    if config is None or not config.has_shared or not config.dram_bytes:
+        raise ConfigError(f"KVCACHE_WARM_DRAM={text!r} copies entries of the shared tier into the DRAM "
+                          "tier: it needs the tiered cache on, KVCACHE_SHARED_URL and a DRAM tier")
+    return min(parse_size(text, config.dram_bytes, "KVCACHE_WARM_DRAM"), config.dram_bytes)

@@ -1,13 +1,18 @@
 """Warm scale-out (``KVCACHE_WARM_DRAM``) without an engine: a worker's warm-up of its DRAM
 tier on real tiers (``cache.dram_warm``: which entries, in which order, within which
-bounds, verified)."""
+bounds, verified), the server's side against a test double of vLLM's ``collective_rpc``
+(``serving.dram_warm``: done, the start-up deadline), ``/ping`` and ``/metrics`` while it
+runs, and the setting itself. The engine test is ``tests/test_scaleout_engine.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from cache.codec import decode, encode_header
 from cache.dram_warm import DramWarm
@@ -16,7 +21,10 @@ from cache.popularity import Popularity, Publisher
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.tiers.files import FileTier
+from serving.config import ConfigError, EngineSettings, build_serving_config
+from serving.dram_warm import DramWarm as ServerWarm
 from tests.test_popularity import Clock, chain
+from tests.test_serving_config import CPU_BOX, args_of, env, model_dir, warm_env  # noqa: F401 (fixtures)
 from tests.test_shared_tier import remote
 from tests.test_tiers_store import NS, payload
 
@@ -166,3 +174,109 @@ def test_a_warm_up_stops_when_its_store_closes(fleet):
     warm.run(fleet[2], budget=100 * ENTRY)
     s = warm.status()
     assert s["state"] == "stopped" and s["error"] == "" and dram_keys(store) == set()
+
+
+# -- the server's side ----------------------------------------------------------------------
+class Workers:
+    """vLLM's ``AsyncLLM`` as the warm-up uses it: ``collective_rpc`` answers from a script."""
+
+    def __init__(self, statuses: list[str]) -> None:
+        self.statuses, self.calls = list(statuses), []
+
+    def get_tokenizer(self):
+        return type("Bytes", (), {"encode": staticmethod(lambda text: list(text.encode()))})()
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, args))
+        state = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        if method == "kvcache_warm_stop":
+            state = "stopped"
+        hot = {"planned": 4, "warm": 4 if state == "done" else 1, "copied": 1, "bytes": 1000, "absent": 0,
+               "skipped": 0}
+        return [{"state": state, "seconds": 1.0, "notes": 2, "prompts": {"planned": 2, "warm": 2, "bytes": 10},
+                 "hot": hot}]
+
+
+def settings(tmp_path, prompts: bool = True) -> EngineSettings:
+    path = tmp_path / "warm.jsonl"
+    path.write_text('{"prompt": "ab"}\n{"prompt_token_ids": [7, 8, 9]}\n')
+    return EngineSettings(vllm_args=(), warm_prompts=str(path) if prompts else None, warm_dram_bytes=4096)
+
+
+def test_the_server_waits_for_every_rank_then_reports_done(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "serving.dram_warm")
+    workers = Workers(["warming", "warming", "done"])
+    warm = ServerWarm(settings(tmp_path), deadline=time.monotonic() + 600)
+    assert not warm.finished
+    asyncio.run(warm.run(workers))
+    assert warm.state == "done" and warm.finished
+    method, (job,) = workers.calls[0]
+    assert method == "kvcache_warm_dram" and job == {"prompts": [[97, 98], [7, 8, 9]], "budget": 4096}
+    assert [m for m, _ in workers.calls[1:]] == ["kvcache_warm_status"] * 2
+    assert warm.progress()["hot"]["warm"] == 4
+    assert "DRAM warm-up done" in caplog.text and "hottest shared entries 4 of 4 in DRAM" in caplog.text
+
+
+def test_at_the_start_up_deadline_ping_turns_healthy_and_the_log_says_what_was_not_warmed(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "serving.dram_warm")
+    clock = Clock(0.0)
+    workers = Workers(["warming"])
+
+    async def go():
+        warm = ServerWarm(settings(tmp_path, prompts=False), deadline=3.0, clock=clock)
+        task = asyncio.create_task(warm.run(workers))
+        while not task.done():
+            await asyncio.sleep(0.01)
+            clock.t += 0.5
+        return warm
+
+    warm = asyncio.run(go())
+    assert warm.state == "deadline" and warm.finished
+    assert workers.calls[-1][0] == "kvcache_warm_stop"
+    assert "cut at the start-up deadline" in caplog.text
+    assert "Not warmed: 0 of 2 warm prompts' chunks, 3 of 4 hottest shared entries" in caplog.text
+
+
+# -- /ping, /metrics and the setting ----------------------------------------------------------
+def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_env, tmp_path):
+    from tests.test_guard import call
+    from serving.app import create_app
+    from serving.engine import State
+
+    cfg = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "50%"}, CPU_BOX)
+    app = create_app(cfg)
+    engine = app.state.engine
+    text = generate_latest(app.state.metrics.registry).decode()
+    assert 'kvcache_dram_warm_state{state="starting"} 1.0' in text
+    engine.state, engine.client = State.READY, type("Client", (), {"errored": False})()
+    engine.dram_warm = ServerWarm(cfg.engine, deadline=1e18)
+    engine.dram_warm.ranks = [{"state": "warming", "prompts": {"warm": 2, "bytes": 100},
+                               "hot": {"warm": 3, "bytes": 300, "planned": 9}}]
+    r = call(app, "GET", "/ping")
+    assert r.status_code == 503 and r.json() == {"status": "warming dram", "entries": 5, "bytes": 400}, r.text
+    text = generate_latest(app.state.metrics.registry).decode()
+    assert 'kvcache_dram_warm_state{state="warming"} 1.0' in text
+    assert 'kvcache_dram_warm_entries{set="hot"} 3.0' in text and 'kvcache_dram_warm_bytes{set="prompts"} 100.0' in text
+    assert 'kvcache_dram_warm_planned_entries{set="hot"} 9.0' in text
+    engine.dram_warm.state = "deadline"
+    assert call(app, "GET", "/ping").json() == {"status": "healthy"}
+
+
+def test_the_setting(warm_env, tmp_path):
+    cfg = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "50%"}, CPU_BOX)
+    assert cfg.engine.warm_dram_bytes == cfg.plan.cache.dram_bytes // 2
+    assert args_of(cfg)["--worker-extension-cls"] == "cache.vllm.warm_rpc.KVCacheWorkerExtension"
+    assert "/ping healthy once DRAM holds" in cfg.describe()
+    assert ("KVCACHE_WARM_DRAM=50%", "--worker-extension-cls cache.vllm.warm_rpc.KVCacheWorkerExtension") \
+        in cfg.effects
+    big = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "1000TiB"}, CPU_BOX)
+    assert big.engine.warm_dram_bytes == big.plan.cache.dram_bytes      # at most the tier
+    off = build_serving_config(warm_env, CPU_BOX)
+    assert off.engine.warm_dram_bytes == 0 and "--worker-extension-cls" not in args_of(off)
+    for change, words in [({"KVCACHE_SHARED_URL": "", "KVCACHE_WARM_PROMPTS": ""}, "needs the tiered cache on, "
+                           "KVCACHE_SHARED_URL"),
+                          ({"KVCACHE_DRAM_SIZE": "0"}, "a DRAM tier"),
+                          ({"KVCACHE_WARM_DRAM": "lots"}, "is not a size"),
+                          ({"SM_VLLM_WORKER_EXTENSION_CLS": "my.Ext"}, "SM_VLLM_WORKER_EXTENSION_CLS sets another")]:
+        with pytest.raises(ConfigError, match=words):
+            build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "1GiB", **change}, CPU_BOX)
