@@ -21,8 +21,8 @@ say why the rest of Belady's lead cannot be learned. It writes:
 - ``bench/results/policy_robustness.{md,json,png}``: the robustness grid
   (``bench/policy_grid.py``): every workload of ``cache.tools.workloads`` (at ``--scale``,
   seed ``--seed``) and the Mooncake trace x 1, 2, 5, 10, 20 %: lru, arc, s3fifo, ours and
-  belady, ours' margin over the best classic, lookups/s; the worst margin goes to the
-  README. ``--grid-only`` runs just this part.
+  belady, ours' margin over the best classic, lookups/s; the worst margin goes to
+  bench/README.md. ``--grid-only`` runs just this part.
 
 Main numbers use no hints. The hinted column passes, before each request, the keys of
 the requests that arrive within ``--hint-window-ms`` (default 1000 ms: requests that
@@ -105,11 +105,11 @@ def gap_closed(ratio: Dict[str, List[float]], name: str) -> List[float]:
 
 
 def readme_section(payload: dict) -> str:
-    """The README's statement of the policy result: hit ratios, the best baseline and the
+    """bench/README.md's statement of the policy result: hit ratios, the best baseline and the
     share of the LRU-to-Belady gap closed, per capacity."""
     ratio, ours = payload["token_hit_ratio"], payload["ours"]
     lines = [f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
-             "[bench/results/policy.md](bench/results/policy.md)):", "",
+             "[bench/results/policy.md](results/policy.md)):", "",
              "| capacity | LRU | best of LRU, ARC, S3-FIFO | "
              f"`{ours}` | Belady (offline) | LRU→Belady gap closed | "
              "closed by rate-oracle / span-oracle (offline) |",
@@ -132,18 +132,19 @@ def readme_section(payload: dict) -> str:
               "and consecutive gaps correlate at "
               f"{reg['lag1_log_gap_corr']:+.2f} (Poisson arrivals: 1 and 0)."]
     if payload.get("robustness"):
-        lines += ["", payload["robustness"]]
+        # saved before the summary moved to bench/README.md, its links were from the top
+        lines += ["", payload["robustness"].replace("](bench/results/", "](results/")]
     return "\n".join(lines)
 
 
 def write_readme(payload: dict) -> bool:
-    """The README's ``bench_policy`` section from ``payload``; False when it has none."""
+    """bench/README.md's ``bench_policy`` section from ``payload``; False when it has none."""
     return readme.replace_section("bench_policy", readme_section(payload))
 
 
 def robustness(trace, trace_name: str, out: Path, scale: float, seed: int) -> str:
     """The robustness grid over every seeded workload plus the trace; writes
-    ``policy_robustness.{md,json,png}`` under ``out``; returns the README's sentence."""
+    ``policy_robustness.{md,json,png}`` under ``out``; returns bench/README.md's sentence."""
     policies = BASELINES + (DEFAULT_POLICY, "belady")
     traces = policy_grid.workload_traces(scale, seed)
     traces["mooncake"] = trace
@@ -164,8 +165,8 @@ def robustness(trace, trace_name: str, out: Path, scale: float, seed: int) -> st
         "generated_unix": int(time.time())}, indent=2) + "\n")
     policy_grid.plot(cells, out / "policy_robustness.png", policies)
     print(table)
-    return (f"Robustness ([bench/results/policy_robustness.md](bench/results/policy_robustness.md), "
-            f"[plot](bench/results/policy_robustness.png)): over {len(traces)} workloads "
+    return (f"Robustness ([bench/results/policy_robustness.md](results/policy_robustness.md), "
+            f"[plot](results/policy_robustness.png)): over {len(traces)} workloads "
             f"(chat, agent chat, RAG, shared system prompt, scans into a hot set, a popularity "
             f"shift, and the Mooncake trace) x {len(FRACTIONS)} capacities, `{DEFAULT_POLICY}`'s "
             f"worst margin over the best of LRU, ARC and S3-FIFO is **{worst.margin():+.4f}** "
@@ -183,12 +184,12 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid-only", action="store_true", help="only the robustness grid")
     ap.add_argument("--render", action="store_true",
-                    help="only rewrite README.md's policy section from the saved policy.json")
+                    help="only rewrite bench/README.md's policy section from the saved policy.json")
     args = ap.parse_args(argv)
     if args.render:
         payload = json.loads((Path(args.out_dir) / "policy.json").read_text())
         if not write_readme(payload):
-            print("README.md has no policy section markers", file=sys.stderr)
+            print("bench/README.md has no policy section markers", file=sys.stderr)
             return 1
         print(readme_section(payload))
         return 0
@@ -332,7 +333,7 @@ def main(argv: List[str] | None = None) -> int:
     }
     (out / "policy.json").write_text(json.dumps(payload, indent=2) + "\n")
     if out.resolve() == (ROOT / "bench" / "results").resolve() and write_readme(payload):
-        print("README.md: policy section updated")
+        print("bench/README.md: policy section updated")
 
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib

@@ -729,7 +729,7 @@ README_ROWS = ["cold", "l0", "l0 1-token", "ours-dram", "lmcache-dram", "example
 
 
 def readme_section(result: dict) -> str:
-    """The README's summary of a run: median TTFT per row and size, the floors, the
+    """bench/README.md's summary of a run: median TTFT per row and size, the floors, the
     acceptance targets and the throughput ratio."""
     cfg, s = result["config"], result["summary"]
     sizes = cfg["sizes"]
@@ -738,7 +738,7 @@ def readme_section(result: dict) -> str:
     rule = "| --- |" + " ---: |" * len(sizes)
     kept = result.get("restored_rows")
     lines = [f"Median TTFT in ms ({cfg['machine']}; model and method: "
-             "[bench/results/ttft.md](bench/results/ttft.md)"
+             "[bench/results/ttft.md](results/ttft.md)"
              + (f"; kept from an earlier run: {', '.join(kept)}" if kept else "") + "):", "", head, rule]
     for name in README_ROWS:
         if any((name, n) in by for n in sizes):
@@ -780,12 +780,12 @@ def readme_section(result: dict) -> str:
 
 
 def write_readme(result: dict) -> bool:
-    """The README's ``bench_ttft`` section from ``result``; False when it has none."""
+    """bench/README.md's ``bench_ttft`` section from ``result``; False when it has none."""
     return readme.replace_section("bench_ttft", readme_section(result))
 
 
 def render(json_path: str) -> None:
-    """Rewrite the markdown next to a saved ttft.json, and the README's section when it
+    """Rewrite the markdown next to a saved ttft.json, and bench/README.md's section when it
     is the committed result (no measurement)."""
     with open(json_path) as f:
         result = json.load(f)
@@ -903,7 +903,7 @@ def main(argv=None) -> int:
     log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
     if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and (not only or only == {"throughput"} or restored):
         if write_readme(result):
-            log("README.md: benchmark section updated")
+            log("bench/README.md: benchmark section updated")
     return 1 if bench.errors else 0
 
 

@@ -1,12 +1,14 @@
-"""The README's benchmark sections: each lies between a begin and an end marker and is
-rewritten whole by the script that measured it (``bench_ttft``, ``bench_policy``).
-Runs in those scripts' processes, after a run; plain file I/O."""
+"""The benchmark summaries of ``bench/README.md`` ("Results"): each lies between a begin
+and an end marker and is rewritten whole by the script that measured it (``bench_ttft``,
+``ttft_partial``, ``bench_policy``); their links are relative to ``bench/``. The top-level
+README links to them and holds none. Runs in those scripts' processes, after a run; plain
+file I/O."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parent / "README.md"   # bench/README.md
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 ``python -m bench.ttft_partial [--only partial-dram,partial-disk,partial-l3,sweep]
 [--sweep-caps 1.8e9,4e8,1e8,2.5e7] [--sweep-size 4096] [bench_ttft options]`` (or
 ``--render [JSON]``: the report again from a saved run) writes
-``ttft_partial.json`` and ``.md`` under ``bench/results/`` and the README's ``ttft_partial``
+``ttft_partial.json`` and ``.md`` under ``bench/results/`` and bench/README.md's ``ttft_partial``
 section. Runs in the benchmark's parent process, one engine subprocess at a time, with
 ``bench.bench_ttft``'s ``Bench`` helpers (model, prompts, timed requests, page-cache
 drops, bandwidth floors):
@@ -256,7 +256,7 @@ def markdown(extra: dict) -> list[str]:
 
 
 def readme_lines(extra: dict) -> list[str]:
-    """Short form for the README: partial-hit and sweep ratios."""
+    """Short form for bench/README.md: partial-hit and sweep ratios."""
     lines = []
     if extra.get("partial"):
         lines += ["", "Partial hits (prefix + new suffix), TTFT / max(load, suffix compute):", "",
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
 
 
 def write_report(result: dict, out: str) -> None:
-    """``ttft_partial.md`` next to the JSON, and the README's section when ``out`` is
+    """``ttft_partial.md`` next to the JSON, and bench/README.md's section when ``out`` is
     the committed results folder."""
     cfg = result["config"]
     head = ["# TTFT of partial hits and of the shared tier's bandwidth sweep", "",
@@ -362,15 +362,22 @@ def write_report(result: dict, out: str) -> None:
             + f"{cfg['hit_repeats']} samples a row; machine: "
             f"{cfg['machine']}) took {result['wall_s'] / 60:.1f} min; rows it did not measure are kept "
             "from earlier runs."]
-    errors = ["", "Errors in the last run: " + "; ".join(map(_short, result["errors"]))] if result["errors"] else []
-    md = "\n".join(head + markdown(result) + errors) + "\n"
+    md = "\n".join(head + markdown(result) + _errors(result)) + "\n"
     with open(os.path.join(out, "ttft_partial.md"), "w") as f:
         f.write(md)
     print(md)
     if os.path.abspath(out) == os.path.join(bench_ttft.REPO, "bench", "results"):
-        readme.replace_section("ttft_partial", "\n".join(
-            ["Method and all figures: [bench/results/ttft_partial.md](bench/results/ttft_partial.md)."]
-            + readme_lines(result) + errors).strip())
+        readme.replace_section("ttft_partial", readme_section(result))
+
+
+def _errors(result: dict) -> list[str]:
+    return ["", "Errors in the last run: " + "; ".join(map(_short, result["errors"]))] if result["errors"] else []
+
+
+def readme_section(result: dict) -> str:
+    """bench/README.md's ``ttft_partial`` section from ``result``."""
+    return "\n".join(["Method and all figures: [bench/results/ttft_partial.md](results/ttft_partial.md)."]
+                     + readme_lines(result) + _errors(result)).strip()
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from cache.config import CacheConfig, ConfigError
+from cache.admission import SharedAdmission
+from cache.config import CacheConfig
+from cache.errors import ConfigError
 from cache.keys import Namespace
 from cache.pins import PinBook
 from cache.policy import POLICIES, make_policy
-from cache.admission import SharedAdmission
 from cache.store import TieredStore
 from cache.tiers.base import Tier
 from cache.tiers.files import FileTier

@@ -27,8 +27,10 @@ one rule, in ``cache.dram``.
 
 Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated aliases
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
-an error. Imports nothing from ``cache`` but the leaf helpers ``cache.sizes``,
-``cache.dram``, ``cache.curvine``, ``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
+an error. True/false values are read by ``cache.flags.parse_bool``, the one parser of
+them. Imports nothing from ``cache`` but the leaves ``cache.errors`` (``ConfigError``,
+re-exported here), ``cache.flags``, ``cache.sizes``, ``cache.dram``, ``cache.curvine``,
+``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from typing import Any, Mapping, Optional
 
 from cache.curvine import curvine_client
 from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, WRITE_BEHIND_BYTES, GiB, dram_tier, staging_bytes
+from cache.errors import ConfigError
+from cache.flags import parse_bool
 from cache.prompts import read_prompt_file
-from cache.sizes import ConfigError, disk_tier_bytes, memory_limit, parse_size
+from cache.sizes import disk_tier_bytes, memory_limit, parse_size
 from cache.weights import MODES as WEIGHTS_HASHES
 
 __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
@@ -267,17 +271,6 @@ def _fraction(r: _Reader, name: str, default: float) -> float:
     return value
 
 
-def _bool(r: _Reader, name: str, default: bool) -> bool:
-    text = r.get(name)
-    if text is None:
-        return default
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={text!r} must be true or false")
-
-
 def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Optional[int] = None,
                        reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None,
                        workers: int = 1) -> CacheConfig:
@@ -300,7 +293,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                                       reserved_ram_bytes + staging * max(1, workers), entry, notes)
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
     disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
-    disk_direct_reads = _bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
+    disk_direct_reads = parse_bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
     conf, masters = curvine_client(r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or "",
                                    url, r.raw("SAGEMAKER_BASE_DIR"))
@@ -316,7 +309,7 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     load_decision = (r.get("KVCACHE_LOAD_DECISION") or d.load_decision).lower()
     if load_decision not in LOAD_DECISIONS:
         raise ConfigError(f"KVCACHE_LOAD_DECISION={load_decision!r} must be one of {', '.join(LOAD_DECISIONS)}")
-    layered_loads = _bool(r, "KVCACHE_LAYERED_LOADS", d.layered_loads)
+    layered_loads = parse_bool(r, "KVCACHE_LAYERED_LOADS", d.layered_loads)
     weights_hash = (r.get("KVCACHE_WEIGHTS_HASH") or d.weights_hash).lower()
     if weights_hash not in WEIGHTS_HASHES:
         raise ConfigError(f"KVCACHE_WEIGHTS_HASH={weights_hash!r} must be one of {', '.join(WEIGHTS_HASHES)}")
@@ -347,7 +340,7 @@ def check_block_size(config: CacheConfig, block_size: int) -> None:
 
 def cache_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
     """``KVCACHE_ENABLED`` (default true): false serves with vLLM alone."""
-    return _bool(_Reader(os.environ if env is None else env), "KVCACHE_ENABLED", True)
+    return parse_bool(_Reader(os.environ if env is None else env), "KVCACHE_ENABLED", True)
 
 
 def warm_prompts(env: Optional[Mapping[str, str]] = None,

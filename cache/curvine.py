@@ -11,7 +11,7 @@ import os
 import re
 from typing import Optional
 
-from cache.sizes import ConfigError
+from cache.errors import ConfigError
 
 CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
 _HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from cache.sizes import ConfigError, check_writable, human_bytes, memory_folders, parse_size, room_for_tier
+from cache.errors import ConfigError
+from cache.sizes import check_writable, human_bytes, memory_folders, parse_size, room_for_tier
 
 GiB = 1 << 30
 DEFAULT_DRAM_PATH = "/dev/shm/kvcache"

@@ -31,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+from cache.errors import FootprintError
 from cache.layer_kinds import layer_kinds
 from cache.sizes import human_bytes
 
@@ -47,10 +48,6 @@ _DTYPE_BYTES = {
     "fp8_ds_mla": 1,
     "int8": 1,
 }
-
-
-class FootprintError(ValueError):
-    """The config does not say enough to size its KV cache."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
+from cache.errors import PinError
 from cache.tiers.layout import LOCK_FILE, PINS_FILE
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,6 @@ FORMAT = 1
 UNSALTED = "unsalted"                  # the tenant of requests without a cache_salt
 # Why a pin was refused, for kvcache:pin_requests_total{outcome} (cache.vllm.metrics):
 TENANT_BUDGET, TIER_BUDGET, PINS_OFF = "tenant_budget", "tier_budget", "pins_off"
-
-
-class PinError(ValueError):
-    """A pin request that is not one (a client mistake)."""
 
 
 @dataclass(frozen=True)

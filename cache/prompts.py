@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from cache.sizes import ConfigError
+from cache.errors import ConfigError
 
 WARM_KEYS = ("prompt", "prompt_token_ids", "messages")
 

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from cache.pins import PinError, pin_ask
+from cache.errors import ParamsError, PinError
+from cache.pins import pin_ask
 
 LOAD, SAVE = "kvcache_load", "kvcache_save"
 PIN_TTL, PIN_TOKENS = "kvcache_pin_ttl", "kvcache_pin_tokens"
 KEYS = (LOAD, SAVE, PIN_TTL, PIN_TOKENS)
 SWITCHES = (LOAD, SAVE)
-
-
-class ParamsError(ValueError):
-    """``kv_transfer_params`` this connector does not read (a client mistake)."""
 
 
 def check_params(params: Any) -> None:

@@ -4,8 +4,8 @@
 the RAM this container may use (the cgroup limit if lower than physical RAM);
 ``room_for_tier`` is the space a tier folder may take (its filesystem's free space plus
 what the tier already holds there), ``disk_tier_bytes`` the disk tier's size against it;
-``human_bytes`` prints a size. ``ConfigError`` lives
-here, below ``cache.config``, which re-exports it. Runs at start-up; reads a few small files.
+``human_bytes`` prints a size. Raises ``cache.errors.ConfigError`` (a leaf below it,
+re-exported by ``cache.config``). Runs at start-up; reads a few small files.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from typing import Optional
 
 import psutil
 
+from cache.errors import ConfigError
 from cache.tiers.layout import folder_usage
-
-
-class ConfigError(ValueError):
-    """A bad setting; the message names the variable and what would fix it."""
 
 
 _SIZE_UNITS = {

@@ -100,7 +100,7 @@ _OWN_ENV = {"HF_MODEL_ID": "--hf-model-id", "SM_NUM_GPUS": "--num-gpus",
 
 
 def environment(spec: EndpointSpec) -> dict[str, str]:
-    """The container's environment: model, engine and tier settings (see README.md)."""
+    """The container's environment: model, engine and tier settings (see docs/settings.md)."""
     clash = sorted(set(spec.extra_env) & set(_OWN_ENV))
     if clash:
         raise ValueError(f"--env {clash[0]}: set it with {_OWN_ENV[clash[0]]}")

@@ -32,7 +32,7 @@ import time
 
 import uvicorn
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from serving.app import create_app
 from serving.config import build_serving_config
 from serving.engine import Engine, State

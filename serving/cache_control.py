@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from cache.errors import ParamsError
 from cache.pins import TTL_NAMES, pin_ask
-from cache.request_params import ParamsError, check_params
+from cache.request_params import check_params
 from serving.errors import ClientError
 
 CACHE_CONTROL = "cache_control"

@@ -40,8 +40,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from cache.config import ConfigError, cache_enabled, warm_dram, warm_prompts
-from cache.footprint import FootprintError, KVFootprint, footprint_from_config
+from cache.config import cache_enabled, warm_dram, warm_prompts
+from cache.errors import ConfigError, FootprintError
+from cache.flags import parse_bool
+from cache.footprint import KVFootprint, footprint_from_config
 from cache.vllm import WORKER_EXTENSION, kv_transfer_config
 from serving.machine import Machine, probe_machine
 from serving.conventions import engine_args, render, with_serving_properties
@@ -149,18 +151,6 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> i
     return value
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw in (None, ""):
-        return default
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} must be true or false")
-
-
 @contextmanager
 def _sagemaker_environ(env: Mapping[str, str]) -> Iterator[None]:
     """Let the toolkit, which reads ``os.environ``, see ``env``'s SAGEMAKER_* variables.
@@ -216,7 +206,7 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         invocation_timeout_s=float(timeout),
         startup_timeout_s=float(startup),
         log_level=level,
-        sessions_enabled=_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
+        sessions_enabled=parse_bool(env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS", True),
         session_ttl_s=_int(env, "SAGEMAKER_SESSIONS_EXPIRATION", 1200, minimum=1),
         sessions_path=env.get("SAGEMAKER_SESSIONS_PATH") or None,
         max_sessions=_int(env, "SERVING_MAX_SESSIONS", 1000, minimum=1),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 
 # LMI (DJL) option names that differ from vLLM's; None: an LMI-only setting, ignored.
 LMI_ALIASES: dict[str, Optional[str]] = {

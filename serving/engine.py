@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from serving.config import EngineSettings
 from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args

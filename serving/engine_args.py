@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)

@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from cache.explain import compact
+from cache.flags import TRUE
 
 HEADER = "X-Kvcache-Explain"
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 ATTRIBUTE = "kvcache-explain"
 CUSTOM_ATTRIBUTES_MAX = 1024
-_YES = ("1", "true", "yes", "on")
 
 
 def _attributes(value: str) -> dict[str, str]:
@@ -41,9 +41,9 @@ def _attributes(value: str) -> dict[str, str]:
 
 def wanted(headers: Mapping[str, str]) -> tuple[bool, bool]:
     """``(explain, through_custom_attributes)`` for a request's headers."""
-    direct = headers.get(HEADER, "").strip().lower() in _YES
+    direct = headers.get(HEADER, "").strip().lower() in TRUE
     attrs = _attributes(headers.get(CUSTOM_ATTRIBUTES, ""))
-    custom = ATTRIBUTE in attrs and (attrs[ATTRIBUTE] or "true").lower() in _YES
+    custom = ATTRIBUTE in attrs and (attrs[ATTRIBUTE] or "true").lower() in TRUE
     return direct or custom, custom
 
 

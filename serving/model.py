@@ -30,8 +30,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from cache.config import ConfigError
-from cache.footprint import FootprintError, load_hf_config
+from cache.errors import ConfigError, FootprintError
+from cache.flags import parse_bool
+from cache.footprint import load_hf_config
 from cache.weights import S3_MANIFEST
 
 log = logging.getLogger(__name__)
@@ -68,17 +69,6 @@ def model_folder(path: str) -> Optional[str]:
     return found[0] if len(found) == 1 else None
 
 
-def _flag(env: Mapping[str, str], name: str) -> Optional[bool]:
-    raw = str(env.get(name) or "").strip().lower()
-    if not raw:
-        return None
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={env.get(name)!r} must be true or false")
-
-
 def resolve_model(env: Mapping[str, str]) -> ModelSource:
     """Which model to serve (module docstring); generates the default model if chosen."""
     revision = env.get("HF_MODEL_REVISION") or None
@@ -90,7 +80,7 @@ def resolve_model(env: Mapping[str, str]) -> ModelSource:
     found = model_folder(sm_dir)
     if found:
         return ModelSource(sm_dir, found, "model", local_dir=found)
-    default = _flag(env, "SERVING_DEFAULT_MODEL")
+    default = parse_bool(env, "SERVING_DEFAULT_MODEL", None)
     if default is None:
         default = not os.path.isdir(sm_dir)
     if not default:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 
 VAR = "SAGEMAKER_SAFE_PORT_RANGE"
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from typing import Any, Optional
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from cache.vllm.plugin import die_with_parent
 from serving.config import EngineSettings
 

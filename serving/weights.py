@@ -17,7 +17,8 @@ import logging
 import os
 from dataclasses import replace
 
-from cache.config import CONNECTOR_KEY, ConfigError
+from cache.config import CONNECTOR_KEY
+from cache.errors import ConfigError
 from cache.weights import fingerprint
 from serving.config import EngineSettings
 

@@ -337,8 +337,8 @@ def test_cli_dry_run_validates_and_hides_the_secrets(capsys, monkeypatch):
 
 
 def test_readme_deploy_example_passes_the_dry_run(capsys, monkeypatch):
-    """The README's deploy command, as written there, with --dry-run."""
-    readme = (REPO / "README.md").read_text()
+    """docs/deploy.md's deploy command, as written there, with --dry-run."""
+    readme = (REPO / "docs" / "deploy.md").read_text()
     block = re.search(r"```bash\n(python deploy/sagemaker_endpoint\.py .*?)```", readme, re.S).group(1)
     command = block.split("\npython deploy/sagemaker_endpoint.py --name llama3-8b-kv --delete")[0]
     argv = re.sub(r"\s+#.*$", "", command.replace("\\\n", " "), flags=re.M).split()[2:]

@@ -16,12 +16,13 @@ from prometheus_client import generate_latest
 
 from cache.codec import decode, encode_header
 from cache.dram_warm import DramWarm
+from cache.errors import ConfigError
 from cache.keys import prompt_chunks
 from cache.popularity import Popularity, Publisher
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.tiers.files import FileTier
-from serving.config import ConfigError, EngineSettings, build_serving_config
+from serving.config import EngineSettings, build_serving_config
 from serving.dram_warm import DramWarm as ServerWarm
 from tests.test_popularity import Clock, chain
 from tests.test_serving_config import CPU_BOX, args_of, env, model_dir, warm_env  # noqa: F401 (fixtures)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from cache.footprint import FootprintError, footprint_from_config, load_hf_config
+from cache.errors import FootprintError
+from cache.footprint import footprint_from_config, load_hf_config
 from cache.tools.footprint import main
 
 LLAMA3_70B = {

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from cache.assembly import writer_store
-from cache.config import CacheConfig, ConfigError, build_cache_config
+from cache.config import CacheConfig, build_cache_config
+from cache.errors import ConfigError, PinError
 from cache.keys import Namespace, chunk_keys
-from cache.pins import MAX_TTL_S, PinAsk, PinBook, PinError, parse_ttl, pin_ask
+from cache.pins import MAX_TTL_S, PinAsk, PinBook, parse_ttl, pin_ask
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.tiers.files import FileTier

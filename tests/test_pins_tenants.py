@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from cache.config import CacheConfig, ConfigError, build_cache_config
+from cache.config import CacheConfig, build_cache_config
+from cache.errors import ConfigError
 from cache.pins import UNSALTED, PinBook, tenant_id
 from cache.tiers.layout import PINS_FILE
 from cache.vllm.metrics import TieredKVPromMetrics, TieredKVStats

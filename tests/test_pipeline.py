@@ -12,7 +12,8 @@ from typing import AsyncIterator
 
 import pytest
 
-from cache.request_params import KEYS, ParamsError, check_params, wants
+from cache.errors import ParamsError
+from cache.request_params import KEYS, check_params, wants
 from serving.cache_control import check_transfer_params
 from serving.errors import ClientError
 from serving.guard import ENGINE_DIED, Gate

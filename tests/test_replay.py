@@ -150,7 +150,7 @@ def test_unbounded_capacity_is_policy_independent():
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason="shared Mooncake trace not present")
 def test_real_trace_reference_numbers():
-    """The README's LRU figure at 2 % (878 blocks) and ours beating every baseline."""
+    """bench/README.md's LRU figure at 2 % (878 blocks) and ours beating every baseline."""
     reqs = load_trace(str(REAL_TRACE))
     lru = run(reqs, "lru", 878).token_hit_ratio
     assert lru == pytest.approx(0.0773, abs=5e-4)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cache.config import CacheConfig, ConfigError, build_cache_config, config_from_connector
+from cache.config import CacheConfig, build_cache_config, config_from_connector
+from cache.errors import ConfigError
 from serving import config as serving_config
 from serving.config import DEFAULT_PAYLOAD_BYTES, build_serving_config
 from serving.machine import Gpu, Machine
@@ -320,6 +321,24 @@ def test_http_from_sagemaker_variables(env):
 def test_bad_settings_are_config_errors(env, var, value):
     with pytest.raises(ConfigError):
         build_serving_config({**env, var: value}, CPU_BOX)
+
+
+@pytest.mark.parametrize("text,value", [("Yes", True), (" on ", True), ("1", True), ("TRUE", True),
+                                        ("No", False), ("OFF", False), ("0", False), ("false", False)])
+def test_server_flags_take_the_cache_spellings(env, monkeypatch, text, value):
+    """The server's true/false settings read by cache.flags, as KVCACHE_* ones are."""
+    http = build_serving_config({**env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": text}, CPU_BOX).http
+    assert http.sessions_enabled is value
+    # SERVING_DEFAULT_MODEL with no SageMaker model folder: unset or true generates the
+    # default model; false refuses to serve without a model.
+    monkeypatch.setattr("serving.default_model.ensure_model", lambda path, shape: None)
+    plain = {**_no_model_id(env), "SERVING_DEFAULT_MODEL": text,
+             "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"]}   # a model made already
+    if value:
+        assert build_serving_config(plain, CPU_BOX).model.source == "default"
+    else:
+        with pytest.raises(ConfigError, match="no model to serve"):
+            build_serving_config(plain, CPU_BOX)
 
 
 def test_toolkit_sees_only_the_given_environment(env, monkeypatch):

@@ -119,7 +119,8 @@ def test_warm_reads_text_token_and_chat_prompts(tmp_path):
 
 
 def test_warm_refuses_to_run_without_a_shared_tier(tmp_path):
-    from cache.config import ConfigError, build_cache_config, connector_extra
+    from cache.config import build_cache_config, connector_extra
+    from cache.errors import ConfigError
     from cache.tools.warm import warm
 
     config = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),

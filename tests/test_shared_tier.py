@@ -18,7 +18,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from cache.assembly import build_tiers, shared_tier, validate
 from cache.codec import decode, encode_header
-from cache.config import CacheConfig, ConfigError
+from cache.config import CacheConfig
+from cache.errors import ConfigError
 from cache.keys import Namespace, chunk_keys
 from cache.policy import LRUPolicy
 from cache.store import TieredStore

@@ -74,6 +74,30 @@ def test_kvcache_settings_are_read_in_one_module():
     assert list(found) == [SETTINGS_READER], found
 
 
+# -- one parser of true/false values ---------------------------------------------------------------
+FLAG_PARSER = "cache/flags.py"
+_SPELLINGS = {"1", "true", "yes", "on", "0", "false", "no", "off"}
+
+
+def _spelling_lists(tree: ast.AST) -> list[int]:
+    """Lines holding a tuple, list or set of two or more true/false spellings: a parser of
+    its own in the making."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            and sum(isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value.lower() in _SPELLINGS
+                    for e in node.elts) >= 2]
+
+
+def test_true_false_values_have_one_parser():
+    found = {path: lines for path, tree in sources("cache", "serving").items()
+             if (lines := _spelling_lists(tree))}
+    assert list(found) == [FLAG_PARSER], found
+
+
+def test_the_spelling_detector_sees_lists():
+    tree = ast.parse('a = ("1", "true", "yes")\nb = {"Off", "no"}\nc = ["true"]\nd = x in ("on", "y")\n')
+    assert _spelling_lists(tree) == [1, 2]
+
+
 def test_the_read_detector_sees_reads():
     tree = ast.parse('import os\nos.environ.get("KVCACHE_X")\nenv["KVCACHE_Y"]\n"KVCACHE_Z" in env\n'
                      'env["KVCACHE_W"] = "1"\n')
@@ -149,6 +173,45 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+
+
+def _unit(name: str, path: Path) -> str:
+    """The unit of ``name`` in the package graph: a subpackage (``cache.tiers``,
+    ``cache.policy``, ``cache.vllm``, ``cache.tools``, ``serving.routes``, with everything
+    below it) is one unit; a module directly in ``cache/`` or ``serving/`` is its own."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    parts = package.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def package_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        unit = _unit(name, path)
+        graph.setdefault(unit, set()).update(
+            u for m in _imports(name, path, set(mods)) if (u := _unit(m, mods[m])) != unit)
+    return graph
+
+
+def test_no_cycles_between_packages():
+    """No import path leaves a subpackage and comes back into it: ``cache.tiers`` may use
+    ``cache.codec`` and ``cache.store`` may use ``cache.tiers``, but nothing ``cache.tiers``
+    imports, however indirectly, may import ``cache.tiers`` (the loop the file-level check
+    cannot see: ``tiers.transport -> config -> sizes -> tiers.layout``)."""
+    cycles = _cycles(package_graph(modules()))
+    assert not cycles, f"cycles between packages: {sorted(map(sorted, cycles))}"
+
+
+def test_the_package_graph_joins_a_subpackage():
+    mods = {"cache.sizes": REPO / "cache/sizes.py", "cache.config": REPO / "cache/config.py",
+            "cache.tiers": REPO / "cache/tiers/__init__.py", "cache.tiers.layout": REPO / "cache/tiers/layout.py",
+            "serving.routes.ping": REPO / "serving/routes/ping.py"}
+    assert {n: _unit(n, p) for n, p in mods.items()} == {
+        "cache.sizes": "cache.sizes", "cache.config": "cache.config", "cache.tiers": "cache.tiers",
+        "cache.tiers.layout": "cache.tiers", "serving.routes.ping": "serving.routes"}
+    # a loop through two files of one subpackage is a cycle of the package graph
+    assert _cycles({"cache.tiers": {"cache.config"}, "cache.config": {"cache.sizes"},
+                    "cache.sizes": {"cache.tiers"}}) == [frozenset({"cache.tiers", "cache.config", "cache.sizes"})]
 
 
 # Imported once before the modules are tried, so that each try pays only for our code: a

@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-from cache.config import ConfigError
+from cache.errors import ConfigError
 from cache.placed import BytesReader, FdReader, FileReader, Reader
 
 T = TypeVar("T")

@@ -14,8 +14,9 @@ import json
 import sys
 from typing import Optional
 
-from cache.config import ConfigError, parse_size
-from cache.footprint import FootprintError, footprint_from_config, load_hf_config, report
+from cache.config import parse_size
+from cache.errors import ConfigError, FootprintError
+from cache.footprint import footprint_from_config, load_hf_config, report
 from cache.sizes import human_bytes
 
 

@@ -39,7 +39,8 @@ from typing import Optional
 
 from cache.assembly import build_tiers, pin_book, shared_tier
 from cache.codec import CorruptEntry, UnsignedEntry, decode
-from cache.config import CacheConfig, ConfigError, TierSpec, build_cache_config
+from cache.config import CacheConfig, TierSpec, build_cache_config
+from cache.errors import ConfigError
 from cache.pins import pinned_bytes
 from cache.sizes import human_bytes
 from cache.tiers.files import FileTier, is_debris

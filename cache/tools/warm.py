@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from cache.config import ConfigError, config_from_connector, read_prompt_file
+from cache.config import config_from_connector, read_prompt_file
+from cache.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

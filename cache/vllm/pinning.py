@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from cache.assembly import pin_book
 from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
-from cache.pins import PinError, pin_ask, tenant_id
+from cache.errors import PinError
+from cache.pins import pin_ask, tenant_id
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
