@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -175,6 +176,44 @@ def test_a_warm_up_stops_when_its_store_closes(fleet):
     warm.run(fleet[2], budget=100 * ENTRY)
     s = warm.status()
     assert s["state"] == "stopped" and s["error"] == "" and dram_keys(store) == set()
+
+
+def test_the_worker_methods_return_at_once_while_the_copying_runs_on_its_own_thread(fleet, monkeypatch):
+    """vLLM runs them on the worker's main thread, between engine steps: none may wait for a copy."""
+    from types import SimpleNamespace
+
+    from cache.vllm import warm_rpc
+
+    store, entered, release = fleet[0], threading.Event(), threading.Event()
+    copy_up = store.copy_up
+
+    def blocked_copy_up(key, fits=lambda n: True):   # the first copy waits to be released
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        return copy_up(key, fits)
+
+    monkeypatch.setattr(store, "copy_up", blocked_copy_up)
+    side = SimpleNamespace(store=store, namespace=SimpleNamespace(chain_digest=NS),
+                           config=SimpleNamespace(dram_bytes=12 * ENTRY, chunk_tokens=CHUNK))
+    monkeypatch.setattr(warm_rpc, "_worker_side", lambda: side)
+    monkeypatch.setattr(warm_rpc, "_warm", None)
+    ext = warm_rpc.KVCacheWorkerExtension()
+    assert ext.kvcache_warm_status()["state"] == "off"
+    try:
+        assert ext.kvcache_warm_dram({"prompts": fleet[2], "budget": 100 * ENTRY})["state"] == "warming"
+        assert entered.wait(60)    # the copy is under way, and blocked ...
+        assert ext.kvcache_warm_status()["state"] == "warming"    # ... while every method answers
+        assert ext.kvcache_warm_dram({"prompts": [], "budget": 0})["state"] == "warming"   # the same one
+        assert ext.kvcache_warm_stop()["state"] == "warming"
+    finally:
+        release.set()
+    deadline = time.monotonic() + 60
+    while ext.kvcache_warm_status()["state"] == "warming" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s = ext.kvcache_warm_status()
+    assert s["state"] == "stopped" and s["prompts"]["warm"] == 1   # the entry being copied, then no more
+    store.close()
 
 
 # -- the server's side ----------------------------------------------------------------------
