@@ -277,6 +277,31 @@ def test_at_the_start_up_deadline_ping_turns_healthy_and_the_log_says_what_was_n
     assert "Not warmed: 0 of 2 warm prompts' chunks, 3 of 4 hottest shared entries" in caplog.text
 
 
+def test_a_failing_warm_up_or_a_stopping_server_ends_it_and_ping_turns_healthy(tmp_path, caplog):
+    class Dead(Workers):
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            raise RuntimeError("EngineDeadError")
+
+    warm = ServerWarm(settings(tmp_path), deadline=time.monotonic() + 600)
+    asyncio.run(warm.run(Dead(["warming"])))
+    assert warm.state == "failed" and warm.finished and "DRAM warm-up failed" in caplog.text
+
+    clock = Clock(0.0)
+
+    async def go():   # the server stops while the warm-up runs, well before its deadline
+        warm = ServerWarm(settings(tmp_path), deadline=100.0, clock=clock)
+        task = asyncio.create_task(warm.run(Workers(["warming"])))
+        while not task.done():
+            await asyncio.sleep(0.01)
+            clock.t += 0.5
+            if clock.t == 5.0:
+                warm.cancel()
+        return warm
+
+    warm = asyncio.run(go())
+    assert warm.state == "stopped" and warm.finished
+
+
 # -- /ping, /metrics and the setting ----------------------------------------------------------
 def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_env, tmp_path):
     from tests.test_guard import call
