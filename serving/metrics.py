@@ -136,14 +136,14 @@ class _DramWarmCollector:
         if warm is None:
             return
         progress = warm.progress()
-        for name, doc, field in (
+        for name, doc, key in (
                 ("kvcache_dram_warm_planned_entries", "Entries the DRAM warm-up means to have in DRAM", "planned"),
                 ("kvcache_dram_warm_entries", "Entries the DRAM warm-up has in DRAM (copied or there already)", "warm"),
                 ("kvcache_dram_warm_bytes", "Bytes of the entries the DRAM warm-up has in DRAM", "bytes")):
             family = GaugeMetricFamily(name, doc + ", every rank together, by set (prompts: the warm prompts' "
                                        "chunks; hot: the hottest shared entries)", labels=["set"])
             for s, values in progress.items():
-                family.add_metric([s], values[field])
+                family.add_metric([s], values[key])
             yield family
 
 
