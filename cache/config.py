@@ -18,9 +18,9 @@ Under plain ``vllm serve`` without ``kvcache_config``, each process builds the c
 from its own environment (same variables, same machine: the same answer, except that a
 percentage is resolved against the free space each process sees).
 
-Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``) and ``KVCACHE_WARM_PROMPTS``
+Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``), ``KVCACHE_WARM_PROMPTS``
 (``warm_prompts``), whose prompts file is parsed by ``cache.prompts.read_prompt_file``
-for the start-up check and for the warm tool alike. Names that belong to a registry
+for the start-up check and for the warm tool alike, and ``KVCACHE_WARM_DRAM`` (``warm_dram``). Names that belong to a registry
 (policies, shared admission modes) and the shared URL's filesystem are checked by
 ``cache.assembly.validate``, where those live. The DRAM tier's size and folder follow
 one rule, in ``cache.dram``.
@@ -29,18 +29,18 @@ Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated a
 (``DEPRECATED``) with one note each; an old and a new name set to different values is
 an error. True/false values are read by ``cache.flags.parse_bool``, the one parser of
 them. Imports nothing from ``cache`` but the leaves ``cache.errors`` (``ConfigError``,
-re-exported here), ``cache.flags``, ``cache.sizes``, ``cache.dram``, ``cache.prompts``,
-``cache.weights`` and ``cache.tiers.layout``.
+re-exported here), ``cache.flags``, ``cache.sizes``, ``cache.dram``, ``cache.curvine``,
+``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from cache.curvine import curvine_client
 from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, WRITE_BEHIND_BYTES, GiB, dram_tier, staging_bytes
 from cache.errors import ConfigError
 from cache.flags import parse_bool
@@ -50,12 +50,11 @@ from cache.weights import MODES as WEIGHTS_HASHES
 
 __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
            "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
-           "parse_size", "read_prompt_file", "warm_prompts"]
+           "parse_size", "read_prompt_file", "warm_dram", "warm_prompts"]
 
 DEFAULT_DISK_PATH = "/tmp/kvcache"
 DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
 ENTRY_OVERHEAD = 256       # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
-CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
 CONNECTOR_KEY = "kvcache_config"  # the one key of kv_connector_extra_config we read
 
 # Every setting this module reads, and its deprecated aliases (old name -> new name).
@@ -66,7 +65,7 @@ SETTINGS = (
     "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
     "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_PIN_TENANT_MAX",
     "KVCACHE_LOAD_DECISION", "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
-    "KVCACHE_STAGING_SIZE",
+    "KVCACHE_STAGING_SIZE", "KVCACHE_WARM_DRAM",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -296,7 +295,8 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     disk_direct_reads = parse_bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
-    conf, masters = _curvine_client(r, url)
+    conf, masters = curvine_client(r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or "",
+                                   url, r.raw("SAGEMAKER_BASE_DIR"))
     timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
     bandwidth = parse_size(r.get("KVCACHE_SHARED_BANDWIDTH") or "0", None, "KVCACHE_SHARED_BANDWIDTH")
     admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
@@ -324,32 +324,6 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
                        pin_max=pin_max, pin_tenant_max=pin_tenant_max, load_decision=load_decision,
                        layered_loads=layered_loads, weights_hash=weights_hash, staging_bytes=staging,
                        signing_key=signing_key, notes=tuple(notes))
-
-
-_HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")
-
-
-def _curvine_client(r: _Reader, url: str) -> tuple[str, tuple[str, ...]]:
-    """``KVCACHE_CURVINE_CONF`` (absolute; a relative path is inside the model folder,
-    ``SAGEMAKER_BASE_DIR``/model) and ``KVCACHE_CURVINE_MASTERS`` (``host:port`` each)."""
-    conf, masters_text = r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or ""
-    if conf and masters_text:
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} and KVCACHE_CURVINE_MASTERS={masters_text!r} "
-                          "are both set; give the Curvine client one of them")
-    masters = []
-    for item in filter(None, (m.strip() for m in masters_text.split(","))):
-        m = _HOST_PORT.fullmatch(item)
-        port = int(m.group(2) or CURVINE_MASTER_PORT) if m else 0
-        if not m or not 0 < port < 65536:
-            raise ConfigError(f"KVCACHE_CURVINE_MASTERS={masters_text!r}: {item!r} is not host:port")
-        masters.append(f"{m.group(1)}:{port}")
-    if conf and not os.path.isabs(conf):
-        model_dir = os.path.join(r.raw("SAGEMAKER_BASE_DIR") or "/opt/ml", "model")
-        conf = os.path.join(model_dir, conf)
-    if conf and url.startswith("curvine://") and not os.path.isfile(conf):
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} is not a file (a relative path is read "
-                          "inside the model folder)")
-    return conf, tuple(masters)
 
 
 def check_block_size(config: CacheConfig, block_size: int) -> None:
@@ -390,3 +364,17 @@ def warm_prompts(env: Optional[Mapping[str, str]] = None,
                           "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
     read_prompt_file(path, name)
     return os.path.abspath(path)
+
+
+def warm_dram(env: Optional[Mapping[str, str]] = None, config: Optional[CacheConfig] = None) -> int:
+    """``KVCACHE_WARM_DRAM``: bytes of the hottest shared entries a new instance copies into
+    its DRAM tier, with the warm-prompt set, before ``/ping`` reports healthy
+    (``cache.dram_warm``); 0 when unset. A size or a share of the DRAM tier (``50%``), at
+    most the tier. ``config``: the cache that will run (None when it is off)."""
+    text = _Reader(os.environ if env is None else env).get("KVCACHE_WARM_DRAM")
+    if not text:
+        return 0
+    if config is None or not config.has_shared or not config.dram_bytes:
+        raise ConfigError(f"KVCACHE_WARM_DRAM={text!r} copies entries of the shared tier into the DRAM "
+                          "tier: it needs the tiered cache on, KVCACHE_SHARED_URL and a DRAM tier")
+    return min(parse_size(text, config.dram_bytes, "KVCACHE_WARM_DRAM"), config.dram_bytes)

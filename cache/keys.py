@@ -100,6 +100,20 @@ def chunk_keys(
     return keys
 
 
+def prompt_chunks(namespace_digest: bytes, tokens: Sequence[int], chunk_tokens: int,
+                  salt: str = "") -> list[tuple[str, int, int]]:
+    """``(key, start, end)`` of each chunk of a prompt as the cache cuts it, for lookups and
+    saves alike: its whole chunks, then one *tail* chunk holding the rest, unless the rest
+    is a single token (it would load nothing: the last token is always computed)."""
+    full, tail = divmod(len(tokens), chunk_tokens)
+    if tail < 2:
+        tail = 0
+    keys = chunk_keys(namespace_digest, tokens[: full * chunk_tokens + tail], chunk_tokens,
+                      tail_tokens=tail, salt=salt)
+    return [(k, i * chunk_tokens, min((i + 1) * chunk_tokens, full * chunk_tokens + tail))
+            for i, k in enumerate(keys)]
+
+
 def parent_of(keys: Sequence[str], i: int) -> Optional[str]:
     """The key before ``keys[i]`` in its chain, ``None`` for the first chunk."""
     return keys[i - 1] if i > 0 else None

@@ -152,6 +152,7 @@ class TieredStore:
         self._max_publish = max_publish_bytes
         self._draining = False
         self.faults = WriteFaults()
+        self._closing = False   # close() began: copy_up copies nothing more
         # Reads run on a pool; writes (and the evictions and demotions they cause) on one
         # thread, in order, so a chain's parent is always stored before its child.
         self._io = self._writer = self._publisher = None
@@ -572,9 +573,58 @@ class TieredStore:
             self._store(top, key, parent, [raw])
             self.stats.tiers[self.tiers[top].name].promotions += 1
 
-    def _store(self, i: int, key: str, parent: Optional[str], parts: list) -> bool:
-        """Write into local tier ``i`` if its policy admits it, evicting (and demoting)
-        to make room."""
+    def copy_up(self, key: str, fits: Callable[[int], bool] = lambda nbytes: True) -> tuple[str, int]:
+        """Make the top local tier hold ``key`` (a warm-up: ``cache.dram_warm``): the entry of
+        the highest tier below that holds a sound one, verified in full (checksum, namespace,
+        key, signature) and stored through the top tier's policy on the writer thread, as a
+        promotion (admitted whatever the policy says; evicting and demoting to make room).
+        ``fits(bytes)`` may decline it first. Returns ``(outcome, bytes)``: ``held`` (a sound
+        entry there already; a damaged one is dropped and copied again), ``copied``,
+        ``absent`` (no sound entry below), ``declined`` (``fits`` said no) or ``refused`` (no
+        room, the write failed, or the store is closing). Blocks on the reads and the
+        write: never call it from the scheduler loop or a forward pass."""
+        assert self._writer is not None and self.n_local, "a writer store with a local tier"
+        if self._closing:
+            return "refused", 0
+        if self.tiers[0].contains(key):
+            raw = self._read_local(0, key)
+            if raw is not None:
+                try:   # a damaged entry there is dropped, and copied again from below
+                    decode(raw, self.namespace, key, self.signing_key)
+                    return "held", memoryview(raw).nbytes
+                except CorruptEntry as e:
+                    self.stats.tiers[self.tiers[0].name].corrupt += 1
+                    self._drop_bad(0, key, e)
+        for i in range(1, len(self.tiers)):
+            tier = self.tiers[i]
+            try:
+                raw = tier.read(key)
+            except KeyError:
+                continue
+            except Exception as e:  # a tier failing: try the next one
+                self._failed(tier, "reading", key, e)
+                continue
+            nbytes = memoryview(raw).nbytes
+            if not fits(nbytes):
+                return "declined", nbytes
+            try:
+                info = decode(raw, self.namespace, key, self.signing_key)[0]
+            except CorruptEntry as e:
+                self.stats.tiers[tier.name].corrupt += 1
+                self._drop_bad(i, key, e)
+                continue
+            try:
+                stored = self._submit(self._store, 0, key, info.parent, [raw], True).result()
+            except RuntimeError:   # the store closed meanwhile (its writer shut down)
+                return "refused", nbytes
+            if stored:
+                self.stats.tiers[self.tiers[0].name].promotions += 1
+            return ("copied" if stored else "refused"), nbytes
+        return "absent", 0
+
+    def _store(self, i: int, key: str, parent: Optional[str], parts: list, force: bool = False) -> bool:
+        """Write into local tier ``i`` if its policy admits it (``force``: whatever it says),
+        evicting (and demoting) to make room."""
         tier, policy = self.tiers[i], self.policies[i]
         st = self.stats.tiers[tier.name]
         nbytes = sum(memoryview(p).nbytes for p in parts)
@@ -616,7 +666,7 @@ class TieredStore:
         try:
             outcome = policy.offer(key, parent, nbytes, reserve=lambda: tier.reserve(nbytes, key),
                                    evict=evict, write=write, lock=self._lock,
-                                   rescan=lambda: self._adopt(i, skip=kept), force=self._pinned(key),
+                                   rescan=lambda: self._adopt(i, skip=kept), force=force or self._pinned(key),
                                    exhausted=exhausted)
         except Exception as e:  # the folder unusable (read-only, I/O error ...): a failed write
             self._failed(tier, "writing", key, e)
@@ -785,7 +835,7 @@ class TieredStore:
     def close(self, timeout: Optional[float] = 10.0) -> bool:
         """Flush within ``timeout`` (what is left then is dropped: a future miss, never a
         damaged entry), stop the threads, close the tiers. Returns whether all was flushed."""
-        flushed = True
+        flushed, self._closing = True, True
         if self._io is not None:
             flushed = self.flush(timeout)
             if not flushed:
@@ -799,6 +849,11 @@ class TieredStore:
         for t in self.tiers:
             t.close()
         return flushed
+
+    @property
+    def closing(self) -> bool:
+        """``close`` has begun (a warm-up stops: ``copy_up`` copies nothing more)."""
+        return self._closing
 
     def check(self) -> None:
         """Invariants, for tests: bounds hold and every tracked key is present (local

@@ -94,6 +94,8 @@ def create_app(config: ServingConfig, engine: Optional[Engine] = None,
     app.state.engine = engine or Engine(config.engine, registry.observe,
                                         config.http.startup_timeout_s, vllm_state=app.state)
     app.state.gate, app.state.metrics, app.state.config = gate, registry, config
+    if config.engine.warm_dram_bytes:
+        registry.watch_dram_warm(lambda: app.state.engine.dram_warm)
 
     standards = load_standards(config.http)
     for r in (ping.router(standards), invocations.router(standards), openai.router(), metrics.router()):

@@ -19,9 +19,10 @@ Engine arguments: ``SM_NUM_GPUS`` -> ``--tensor-parallel-size``; every ``SM_VLLM
 over our defaults.
 
 Cache: ``cache.config`` reads every ``KVCACHE_*`` variable (the cache on or off, the
-tiers, ``KVCACHE_WARM_PROMPTS``); ``serving.sizing`` resolves the tiers once and the
-result goes to the connector as one value (``cache.vllm.kv_transfer_config``). The
-warm-up runs in ``serving.warmup`` before the engine starts.
+tiers, ``KVCACHE_WARM_PROMPTS``, ``KVCACHE_WARM_DRAM``); ``serving.sizing`` resolves the
+tiers once and the result goes to the connector as one value
+(``cache.vllm.kv_transfer_config``). The warm-up runs in ``serving.warmup`` before the
+engine starts; the DRAM warm-up in ``serving.dram_warm`` once it is ready.
 
 HTTP: port, timeouts and payload limit through the ``sagemaker-inference`` toolkit's
 ``Environment`` (``SAGEMAKER_BIND_TO_PORT``, ``SAGEMAKER_MODEL_SERVER_TIMEOUT``,
@@ -39,11 +40,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from cache.config import cache_enabled, warm_prompts
+from cache.config import cache_enabled, warm_dram, warm_prompts
 from cache.errors import ConfigError, FootprintError
 from cache.flags import parse_bool
 from cache.footprint import KVFootprint, footprint_from_config
-from cache.vllm import kv_transfer_config
+from cache.vllm import WORKER_EXTENSION, kv_transfer_config
 from serving.machine import Machine, probe_machine
 from serving.conventions import engine_args, render, with_serving_properties
 from serving.describe import effects
@@ -90,6 +91,9 @@ class EngineSettings:
     # KVCACHE_WARM_PROMPTS: a JSON-lines file of prompts warmed (cache.tools.warm) by an engine of
     # its own before this one starts; None: no warm-up.
     warm_prompts: Optional[str] = None
+    # KVCACHE_WARM_DRAM: bytes of the hottest shared entries copied into DRAM, with the warm
+    # prompts, before /ping says healthy (serving.dram_warm); 0: /ping does not wait.
+    warm_dram_bytes: int = 0
     model_source: Optional[ModelSource] = None  # an S3 model is fetched before vLLM starts
 
 
@@ -114,6 +118,9 @@ class ServingConfig:
         lines += [f"engine env {k}={v}" for k, v in self.engine.env]
         if self.engine.warm_prompts:
             lines.append(f"warm-up before serving: {self.engine.warm_prompts} (KVCACHE_WARM_PROMPTS)")
+        if self.engine.warm_dram_bytes:
+            lines.append(f"/ping healthy once DRAM holds the warm prompts and up to {self.engine.warm_dram_bytes:,} "
+                         "bytes of the hottest shared entries, or at the start-up timeout (KVCACHE_WARM_DRAM)")
         lines += [f"note: {n}" for n in self.notes]
         if self.plan is not None:
             lines.append(self.plan.format(self.model.model))
@@ -332,6 +339,13 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
                           context_tokens=context)
         args["--kv-transfer-config"] = json.dumps(kv_transfer_config(plan.cache))
     warm = warm_prompts(env, plan.cache if plan is not None else None)
+    warm_bytes = warm_dram(env, plan.cache if plan is not None else None)
+    if warm_bytes:  # the worker methods the DRAM warm-up calls (cache.vllm.warm_rpc)
+        if "--worker-extension-cls" in user:
+            raise ConfigError(f"KVCACHE_WARM_DRAM needs vLLM's --worker-extension-cls for the cache's "
+                              f"worker methods; {user_sources['--worker-extension-cls']} sets another")
+        args["--worker-extension-cls"] = WORKER_EXTENSION
+        sources["--worker-extension-cls"] = "KVCACHE_WARM_DRAM"
 
     for flag, value in user.items():  # the user's arguments win over ours
         args[flag] = value
@@ -352,6 +366,7 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
         tensor_parallel_size=tp,
         kvcache_enabled=kvcache,
         warm_prompts=warm,
+        warm_dram_bytes=warm_bytes,
         model_source=model,
     )
     return ServingConfig(model, http, engine, plan, footprint, tuple(notes),

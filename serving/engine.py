@@ -11,7 +11,9 @@ pools) from the same arguments ``vllm serve`` takes, into the app's own state, w
 objects see is wrapped by ``ObservedEngine``, which records each finished request's
 outcome for the metrics. With ``KVCACHE_WARM_PROMPTS``, the warm-up
 (``serving.warmup``, an engine of its own in a child process) runs to its end first,
-so two engines never share the memory.
+so two engines never share the memory. With ``KVCACHE_WARM_DRAM``, once the engine is
+ready, the DRAM warm-up (``serving.dram_warm``) runs before ``/ping`` reports healthy
+(``warming``), until the start-up deadline at most; requests are served meanwhile.
 
 ``healthy`` and ``dead`` read two flags (ours and vLLM's ``errored``): no engine call,
 so they are safe on the ``/ping`` path while the engine is busy.
@@ -23,10 +25,12 @@ import asyncio
 import enum
 import logging
 import os
+import time
 from typing import Any, Callable, Optional
 
 from cache.errors import ConfigError
 from serving.config import EngineSettings
+from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args
 from serving.leftovers import engine_ready
 from serving.model import fetch_model
@@ -103,6 +107,7 @@ class Engine:
         self.model_config: Any = None
         self.max_model_len: Optional[int] = None
         self.warmup: Optional[Warmup] = None   # KVCACHE_WARM_PROMPTS, while it runs
+        self.dram_warm: Optional[DramWarm] = None  # KVCACHE_WARM_DRAM, once the engine is ready
 
     # -- health (the /ping path: flags only) ---------------------------------------
     @property
@@ -113,6 +118,11 @@ class Engine:
             return not self.client.errored
         except Exception:
             return False
+
+    @property
+    def warming(self) -> bool:
+        """The DRAM warm-up is under way (``/ping`` says 503 until it ends). A flag."""
+        return self.dram_warm is not None and not self.dram_warm.finished
 
     @property
     def dead(self) -> bool:
@@ -127,7 +137,9 @@ class Engine:
 
     # -- start-up --------------------------------------------------------------------
     async def start(self) -> None:
-        """Start vLLM; on failure, ``state`` is FAILED and ``error`` says why."""
+        """Start vLLM; on failure, ``state`` is FAILED and ``error`` says why. Then the DRAM
+        warm-up, when asked for, within what is left of the start-up timeout."""
+        started = time.monotonic()
         try:
             await asyncio.wait_for(self._start(), timeout=self.startup_timeout_s)
             if self.state is State.STARTING:
@@ -138,6 +150,9 @@ class Engine:
                                     "(SAGEMAKER_STARTUP_TIMEOUT)"))
         except Exception as e:
             self._fail(e)
+        if self.state is State.READY and self.settings.warm_dram_bytes:
+            self.dram_warm = DramWarm(self.settings, started + self.startup_timeout_s)
+            await self.dram_warm.run(self.client)
 
     def _fail(self, e: BaseException) -> None:
         self.state, self.error = State.FAILED, e
@@ -211,6 +226,8 @@ class Engine:
             self.state = State.STOPPING
         if self.warmup is not None:  # a warm-up is cut short: the server is going away
             self.warmup.kill()
+        if self.dram_warm is not None:
+            self.dram_warm.cancel()
         if start_task is not None and not start_task.done():
             log.info("stopping during start-up: waiting up to %.0f s for it", timeout_s)
             await asyncio.wait({start_task}, timeout=timeout_s)

@@ -17,7 +17,10 @@ Ours, from two sources, neither of which blocks a request:
 - pins (``cache.pins``), read at scrape time from the pin file of the tier that keeps
   them (one ``stat``; parsed again only when it changed): bytes pinned, live pins, the
   tier's pin allowance and one tenant's budget. Every tenant together: no series tells
-  tenants apart (pin requests by outcome are the connector's ``kvcache:pin_requests_total``).
+  tenants apart (pin requests by outcome are the connector's ``kvcache:pin_requests_total``);
+- the DRAM warm-up of a new instance (``KVCACHE_WARM_DRAM``, ``serving.dram_warm``), read at
+  scrape time: its state, and per set (warm prompts, hottest shared entries) the entries
+  planned, the entries and bytes in DRAM, every rank together.
 Plus the SageMaker invocations by request shape and status, counted by ``serving.app``.
 
 A metric with no source is absent, never zero-filled: no energy metric without NVML.
@@ -112,6 +115,38 @@ class _PinCollector:
             yield family
 
 
+class _DramWarmCollector:
+    """At scrape time: the DRAM warm-up's state and progress (``serving.dram_warm``)."""
+
+    def __init__(self, source: Callable[[], object]) -> None:
+        self.source = source   # the engine's DramWarm, None until the engine is ready
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from serving.dram_warm import STATES
+
+        warm = self.source()
+        state = GaugeMetricFamily("kvcache_dram_warm_state", "The DRAM warm-up of KVCACHE_WARM_DRAM: 1 for its "
+                                  "state (starting: the engine is not ready yet)", labels=["state"])
+        for name in ("starting",) + STATES:
+            state.add_metric([name], 1.0 if (warm.state if warm is not None else "starting") == name else 0.0)
+        yield state
+        if warm is None:
+            return
+        progress = warm.progress()
+        for name, doc, key in (
+                ("kvcache_dram_warm_planned_entries", "Entries the DRAM warm-up means to have in DRAM", "planned"),
+                ("kvcache_dram_warm_entries", "Entries the DRAM warm-up has in DRAM (copied or there already)", "warm"),
+                ("kvcache_dram_warm_bytes", "Bytes of the entries the DRAM warm-up has in DRAM", "bytes")):
+            family = GaugeMetricFamily(name, doc + ", every rank together, by set (prompts: the warm prompts' "
+                                       "chunks; hot: the hottest shared entries)", labels=["set"])
+            for s, values in progress.items():
+                family.add_metric([s], values[key])
+            yield family
+
+
 class NvmlEnergy:
     """Total GPU energy from NVML since construction. Scrape-time reads only."""
 
@@ -183,6 +218,10 @@ class ServingMetrics:
         r.register(_EnergyCollector(self))
         if pins is not None:
             r.register(_PinCollector(*pins))
+
+    def watch_dram_warm(self, source: Callable[[], object]) -> None:
+        """Export the DRAM warm-up that ``source()`` returns (None until the engine is ready)."""
+        self.registry.register(_DramWarmCollector(source))
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Record one finished request. Event loop; microseconds."""

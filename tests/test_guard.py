@@ -174,6 +174,9 @@ def model_script(tmp_path, monkeypatch):
     yield folder
     monkeypatch.delenv("SAGEMAKER_MODEL_PATH")
     SageMakerFunctionLoader._default_function_loader = None
+    from model_hosting_container_standards.common.handler import handler_registry
+
+    handler_registry.remove_handler("ping")   # the library keeps the override for every later app
 
 
 def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_path):

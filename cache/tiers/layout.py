@@ -6,6 +6,7 @@
     ROOT/<namespace>/<key[:2]>/<key> one entry (``cache.codec``), write-once
     ROOT/<namespace>/<key[:2]>/<key>.tmp-HOST-PID-CLAIMED-RAND
                                      an entry being written, published by a link or rename
+    ROOT/<namespace>/.hot/<node>.json one node's popularity note (shared tier; ``cache.tiers.notes``)
 
 Pure names and one small read: no locks, no state. ``FileTier`` (DRAM, disk) and
 ``SharedTier`` (L3) build their paths here, so a Curvine mount and the SDK see the same

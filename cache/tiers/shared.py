@@ -127,7 +127,8 @@ class SharedTier(Tier):
         self._pacer.take(len(result) if op == "read" else sum(memoryview(p).nbytes for p in args[1]), started)
         return result
 
-    def _call(self, op: str, *args, timeout: Optional[float] = None):
+    def call(self, op: str, *args, timeout: Optional[float] = None):
+        """One filesystem call (``FsOps``) through the guard: deadline, breaker, pacer."""
         return self._guard.call(op, self._do, op, *args, timeout=timeout)
 
     # -- what this process knows -----------------------------------------------
@@ -238,7 +239,7 @@ class SharedTier(Tier):
 
     def read(self, key: str) -> Buffer:
         try:
-            data = self._call("read", self._path(key))
+            data = self.call("read", self._path(key))
         except FileNotFoundError:
             self._forget(key)
             raise KeyError(key) from None
@@ -253,7 +254,7 @@ class SharedTier(Tier):
         about the entry or its caller (``CorruptEntry``, ``ValueError``, ``LoadEnded``)
         is raised here and does not count against the tier."""
         try:
-            result, refused = self._call("read_with", self._path(key), use)
+            result, refused = self.call("read_with", self._path(key), use)
         except FileNotFoundError:
             self._forget(key)
             raise KeyError(key) from None
@@ -281,27 +282,27 @@ class SharedTier(Tier):
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self._path(key)
-        if self._call("exists", final):
+        if self.call("exists", final):
             self._learn(key)
             return False
         shard = final.rsplit("/", 1)[0]
         if shard not in self._dirs:
-            self._call("makedirs", shard)
+            self.call("makedirs", shard)
             self._dirs.add(shard)
         tmp = temp_path(final)
         timeout = self.timeout_s + nbytes / WRITE_BYTES_PER_SECOND
         try:
             try:
-                self._call("write", tmp, list(parts), timeout=timeout)
+                self.call("write", tmp, list(parts), timeout=timeout)
             except FileNotFoundError:  # the folder was removed behind our back: make it again
                 self._dirs.clear()
-                self._call("makedirs", shard)
+                self.call("makedirs", shard)
                 self._dirs.add(shard)
-                self._call("write", tmp, list(parts), timeout=timeout)
+                self.call("write", tmp, list(parts), timeout=timeout)
             try:
-                self._call("rename", tmp, final)
+                self.call("rename", tmp, final)
             except SharedUnavailable:
-                if not self._call("exists", final):
+                if not self.call("exists", final):
                     raise
                 self._learn(key)  # another node published it first: harmless
                 self._discard(tmp)
@@ -321,8 +322,8 @@ class SharedTier(Tier):
     def delete(self, key: str) -> int:
         path = self._path(key)
         try:
-            size = self._call("size", path)
-            self._call("remove", path)
+            size = self.call("size", path)
+            self.call("remove", path)
         except FileNotFoundError:
             size = 0
         self._forget(key)
@@ -349,7 +350,7 @@ class SharedTier(Tier):
     def _entries(self) -> list[tuple[str, int]]:
         """List the namespace folder; remove temporary files that crashed writers left."""
         try:
-            listing = self._call("list_tree", self.folder, timeout=max(30.0, 10 * self.timeout_s))
+            listing = self.call("list_tree", self.folder, timeout=max(30.0, 10 * self.timeout_s))
         except FileNotFoundError:
             return []
         entries, now = [], time.time()

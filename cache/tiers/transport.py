@@ -85,6 +85,11 @@ class FsOps:
         except FileNotFoundError:
             return []
 
+    def list_dir(self, folder: str) -> list[tuple[str, int, float]]:
+        """``(name, size, mtime)`` of every file directly in ``folder`` (none if it is missing)."""
+        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), _mtime(e))
+                for e in self.ls(folder) if e.get("type") != "directory"]
+
     def list_tree(self, folder: str) -> list[tuple[str, int, float]]:
         """``(name, size, mtime)`` of every file one folder below ``folder``."""
         out = []

@@ -4,7 +4,8 @@
 (engine-core process: decides what loads and saves, never blocks) or ``worker`` (each
 worker process: copies KV with ``kv_copy``); ``metadata`` is what they send each other
 per step, ``namespace`` derives an engine's cache namespace, ``metrics`` feeds vLLM's
-Prometheus pipeline, ``plugin`` is a vLLM general plugin (AMX permission on CPUs).
+Prometheus pipeline, ``plugin`` is a vLLM general plugin (AMX permission on CPUs),
+``warm_rpc`` the worker methods a server calls to warm the DRAM tier (``WORKER_EXTENSION``).
 
 Only this package imports vLLM; the rest of ``cache`` is engine-agnostic. This file
 imports no vLLM: ``kv_transfer_config`` is what a server or tool passes to vLLM.
@@ -16,6 +17,8 @@ from cache.config import CacheConfig, connector_extra
 
 CONNECTOR_CLASS = "TieredKVConnector"
 CONNECTOR_MODULE = "cache.vllm.connector"
+# vLLM's --worker-extension-cls for the DRAM warm-up's worker methods (KVCACHE_WARM_DRAM)
+WORKER_EXTENSION = "cache.vllm.warm_rpc.KVCacheWorkerExtension"
 
 
 def kv_transfer_config(config: CacheConfig) -> dict:

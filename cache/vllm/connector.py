@@ -98,6 +98,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side = self.worker_side = None
         self._fence_after_save = False
         self.kv_events = None  # the tiers' KV events for routers (cache.vllm.events), when vLLM publishes
+        self.popularity = None  # the publisher of this node's popularity note (cache.popularity)
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
         off_reason = context_parallel_reason(parallel, block_size) or layout.off_reason
@@ -115,17 +116,22 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"
             from cache.curves import tier_curves
+            from cache.popularity import Popularity, Publisher
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
             namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r, weights=weights)
                           for r in range(world)]
             entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
             pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
+            popularity = Popularity() if config.has_shared else None
             self.scheduler_side = SchedulerSide(config, namespaces, block_size,
                                                 lambda: self._kv_cache_manager, layout,
                                                 vllm_config.cache_config.prefix_cache_retention_interval,
                                                 bytes_per_block(kv_cache_config), pinner,
-                                                tier_curves(config, entry_bytes * world))
+                                                tier_curves(config, entry_bytes * world), popularity)
+            if popularity is not None:  # this node's popularity note, in every rank's shared folder
+                self.popularity = Publisher(popularity, [v.shared for v in self.scheduler_side.views])
+                self.popularity.start()
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
                      config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
@@ -226,6 +232,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.shutdown()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.popularity is not None:  # the counts since the last note, before the engine goes
+            self.popularity.close()
 
     def take_events(self):
         return self.kv_events.take() if self.kv_events is not None else ()

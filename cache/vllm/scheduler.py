@@ -43,7 +43,8 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.curves import Curves
 from cache.explain import Explainer, Lookup
-from cache.keys import Namespace, chunk_keys
+from cache.popularity import Popularity
+from cache.keys import Namespace, prompt_chunks
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
@@ -100,11 +101,14 @@ class SchedulerSide:
     def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
-                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None) -> None:
-        """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown)."""
+                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None,
+                 popularity: Optional[Popularity] = None) -> None:
+        """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown);
+        ``popularity``: counts each request's chunks for the shared tier's notes (``cache.popularity``)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.curves = curves or Curves({}, config.policy)  # miss-ratio curves (cache.curves)
+        self.popularity = popularity
         self.block_size = block_size
         # KV cache groups and what each stores (groups.py); one full-attention kind unless
         # the model is hybrid. ``retention_interval``: vLLM's prefix_cache_retention_interval.
@@ -150,6 +154,8 @@ class SchedulerSide:
         if st.n_tokens != len(tokens):
             st.chunks, st.n_tokens = self._cut(tokens, request), len(tokens)
             self.curves.observe(st.chunks)  # once per request: the prompt does not change
+            if self.popularity is not None:
+                self.popularity.observe(st.chunks)
             if self.layout.windows:
                 st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
                                              self.chunk, self.retention_interval)
@@ -163,16 +169,9 @@ class SchedulerSide:
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
-        salt = self.salt(request)
-        n, c = len(tokens), self.chunk
-        full, tail = divmod(n, c)
-        if tail < 2:  # a one-token tail would load nothing: the last token is always computed
-            tail = 0
-        keys = chunk_keys(self.chain, tokens[: full * c + tail], c, tail_tokens=tail, salt=salt)
-        bounds = [(i * c, (i + 1) * c) for i in range(full)] + ([(full * c, full * c + tail)] if tail else [])
-        kinds = self.layout.kinds
-        return [Chunk(k, keys[i - 1] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
-                for i, (k, (s, e)) in enumerate(zip(keys, bounds))]
+        cut, kinds = prompt_chunks(self.chain, tokens, self.chunk, self.salt(request)), self.layout.kinds
+        return [Chunk(k, cut[i - 1][0] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+                for i, (k, s, e) in enumerate(cut)]
 
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change the KV, not the token ids: never cached.

@@ -2,7 +2,8 @@
 
 Reads flags only (the gate's draining flag, the engine's state): it must answer
 within 2 s while the engine loads or is busy. 200 when the engine can serve; 503 while
-starting (``warming`` during pre-warming), while draining, and after the engine died
+starting (``warming`` during pre-warming, ``warming dram`` while the DRAM warm-up of
+``KVCACHE_WARM_DRAM`` runs, with its progress), while draining, and after the engine died
 (``engine dead``, for the seconds until the server exits: ``serving.__main__``).
 Registered as the SageMaker standards library's ping handler, so a custom ping handler
 (``CUSTOM_FASTAPI_PING_HANDLER``, or ``custom_sagemaker_ping_handler`` in the model's
@@ -24,6 +25,10 @@ async def ping(raw_request: Request) -> Response:
     engine, gate = app.engine, app.gate
     if gate.draining and not gate.engine_died:
         return JSONResponse({"status": "draining"}, status_code=503)
+    if engine.healthy and engine.warming:
+        p = engine.dram_warm.progress()
+        return JSONResponse({"status": "warming dram", "entries": p["prompts"]["warm"] + p["hot"]["warm"],
+                             "bytes": p["prompts"]["bytes"] + p["hot"]["bytes"]}, status_code=503)
     if engine.healthy:
         return JSONResponse({"status": "healthy"})
     body: dict[str, Any] = {"status": "warming" if engine.warmup is not None else engine.state.value}
