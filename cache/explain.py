@@ -263,7 +263,7 @@ class Explainer:
         add(0, look.l0, "vllm", NO_TIER, True)
         failed_at = next((i for i, c in enumerate(look.chunks) if c[0] == look.failed), None)
         cut = min(x for x in (failed_at, look.recompute_from, len(look.found)) if x is not None)
-        for i, (key, start, end) in enumerate(look.chunks):
+        for i, (_key, start, end) in enumerate(look.chunks):
             start = max(start, look.l0)
             if i < cut:
                 add(start, end, self._source(look, i), NO_TIER, True)

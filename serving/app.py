@@ -59,7 +59,8 @@ def _pins(config: ServingConfig):
 
 def load_standards(http: HttpSettings):
     """The SageMaker standards library, its stateful-session manager set from our
-    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
+    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's
+    handlers (as vLLM notes): undone."""
     root = logging.getLogger()
     levels = [(h, h.level) for h in root.handlers]
     root_level = root.level

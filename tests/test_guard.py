@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from serving.app import create_app
-from serving.config import build_serving_config
 from serving.body import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, BodyError, parse_body
+from serving.config import build_serving_config
 from serving.machine import Machine
 from tests.test_serving_config import LLAMA3_8B
 

@@ -72,7 +72,8 @@ def test_each_layer_is_in_place_when_the_forward_pass_asks_for_it(tmp_path, tier
     side.wait_for_save(TieredKVMetadata())
     assert side.get_block_ids_with_load_errors() == set()
     samples = side.take_settled().samples
-    assert [s[:2] for s in samples if s[0] == "load"] == [("load", {"dram": "dram", "disk": "disk"}.get(tier, "shared"))]
+    source = {"dram": "dram", "disk": "disk"}.get(tier, "shared")
+    assert [s[:2] for s in samples if s[0] == "load"] == [("load", source)]
     assert side.store.stats.tiers[side.store.tier_names[-1 if tier == "shared" else 0]].hits == 3
     side.shutdown()
 

@@ -8,7 +8,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -23,10 +23,10 @@ from cache.policy import (
     policy_names,
 )
 from cache.policy.classic import ARCPolicy, S3FIFOPolicy
-from cache.policy.experts import ARC, PrefixLRU, S3FIFO
-from cache.policy.sketch import FrequencySketch
+from cache.policy.experts import ARC, S3FIFO, PrefixLRU
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
 from cache.policy.prefix_adaptive import PrefixAdaptivePolicy
+from cache.policy.sketch import FrequencySketch
 from cache.tools.replay import Request, replay
 
 

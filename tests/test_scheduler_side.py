@@ -5,12 +5,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache.config import build_cache_config
-from cache.vllm.scheduler import SchedulerSide
-from cache.keys import Namespace
-from cache.store import TieredStore
-from cache.policy import LRUPolicy
 from cache.assembly import build_tiers
+from cache.config import build_cache_config
+from cache.keys import Namespace
+from cache.policy import LRUPolicy
+from cache.store import TieredStore
+from cache.vllm.scheduler import SchedulerSide
 
 BLOCK, CHUNK = 128, 256
 

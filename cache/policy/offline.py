@@ -51,7 +51,7 @@ class BeladyPolicy(OfflinePolicy):
         nxt: List[List[Tuple[float, int]]] = [[] for _ in requests]
         for i in range(len(requests) - 1, -1, -1):
             row = nxt[i]
-            for p, key in enumerate(requests[i]):
+            for key in requests[i]:
                 row.append(last.get(key, (_NEVER, 0)))
             for p, key in enumerate(requests[i]):
                 last[key] = (i, p)

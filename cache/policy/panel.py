@@ -84,7 +84,7 @@ import copy
 from typing import Callable, List, Optional
 
 from .base import EvictionPolicy
-from .experts import ARC, Compact, PrefixLRU, S3FIFO
+from .experts import ARC, S3FIFO, Compact, PrefixLRU
 from .sketch import FrequencySketch
 
 KEY_SPACE = 1 << 62              # fingerprints are 62-bit (``cache.policy.slots``)

@@ -38,8 +38,7 @@ import numpy as np
 
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.direct import DirectReads
-from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
-                                this_host)
+from cache.tiers.layout import LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path, this_host
 
 _STALE_TMP_SECONDS = 600  # no entry write takes this long; older temp files are debris
 

@@ -186,7 +186,7 @@ class SchedulerSide:
         st.pending_load = None
         if self.pinner is not None:
             self.pinner.offer(request, st.chunks, st.n_tokens)
-        if not request_wants(request, LOAD) or getattr(request, "skip_reading_prefix_cache", False):  # (prompt_logprobs)
+        if not request_wants(request, LOAD) or getattr(request, "skip_reading_prefix_cache", False):  # prompt_logprobs
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
@@ -197,8 +197,8 @@ class SchedulerSide:
         st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
-            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]]
-                                              + [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]))
+            loads = [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
+            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]] + loads))
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
             self._plan_window_saves(st)
