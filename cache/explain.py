@@ -104,7 +104,8 @@ class Fates:
         """``(key, event, tier)`` in the order a worker saw them. ``missing`` (a load found
         nothing) overwrites only ``stored``/``publishing``: a known reason stays."""
         for key, event, tier in events:
-            if event == MISSING and self.get(key, (STORED,))[0] not in (STORED, PUBLISHING):
+            fate = self.get(key)
+            if event == MISSING and fate is not None and fate[0] not in (STORED, PUBLISHING):
                 continue
             self.note(key, event, tier)
 

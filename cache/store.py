@@ -53,6 +53,7 @@ from cache.admission import SharedAdmission
 from cache.codec import HEADER_SIZE, CorruptEntry, EntryInfo, UnsignedEntry, decode, encode_header, read_header
 from cache.durability import CopyQueue
 from cache.faults import WriteFaults
+from cache.pins import PinBook
 from cache.placed import BlockWriters, LoadEnded, Misfit, PartRead, Place, Staged
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
@@ -127,7 +128,7 @@ class TieredStore:
         # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
         self.on_event: Optional[Callable[[str, str, str], None]] = None
         # Pinned prefixes (a ``cache.pins.PinBook``; ``held(key)``): eviction passes them over.
-        self.pins = None
+        self.pins: Optional[PinBook] = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -264,7 +265,7 @@ class TieredStore:
                              writers, keep)
             t0 = time.perf_counter()
             try:
-                raw = tier.read_with(key, lambda reader, read=read: read.use(reader, whole))
+                raw = tier.read_with(key, lambda reader: read.use(reader, whole))  # noqa: B023 (called at once)
             except KeyError:
                 continue
             except CorruptEntry as e:

@@ -146,7 +146,7 @@ def replay(
         hit_blocks += hits
     seconds = time.perf_counter() - t0
     return ReplayResult(
-        policy=name or getattr(policy, "name", type(policy).__name__),
+        policy=name or str(getattr(policy, "name", type(policy).__name__)),
         capacity_blocks=capacity_blocks,
         requests=n,
         hit_tokens=hit_tokens,

@@ -190,7 +190,7 @@ def rag(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int =
     system = [("system", j) for j in range(system_blocks)]
 
     def prefix(d: int) -> List[Hashable]:
-        out = list(system)
+        out: List[Hashable] = list(system)
         for doc in [d] + follow[d]:
             out += [("doc", doc, j) for j in range(length[doc])]
         return out

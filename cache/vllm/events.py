@@ -264,17 +264,20 @@ class TierEvents:
 
     def _write(self) -> None:
         self._dirty.clear()
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
         held = {tier: list(entries.items()) for tier, entries in self.held.items()}  # (each copy is atomic)
         recent = list(self.recent.items())
         data = {"block_size": self.block_size,
                 "tiers": {t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items]
                           for t, items in held.items()},
                 "recent": [[k, [_hex(h) for h in b.hashes], _hex(b.parent)] for k, b in recent]}
-        tmp = f"{self._snapshot}.tmp-{os.getpid()}"
+        tmp = f"{snapshot}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
                 json.dump(data, f)
-            os.replace(tmp, self._snapshot)
+            os.replace(tmp, snapshot)
         except OSError as e:
             log.warning("kvcache: KV events snapshot %s not written: %s", self._snapshot, e)
 

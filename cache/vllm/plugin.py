@@ -70,7 +70,7 @@ def die_with_parent(parent_pid: Optional[int] = None) -> bool:
     already gone (it died before the request could be made)."""
     if parent_pid is None:
         parent = multiprocessing.parent_process()
-        if parent is None:
+        if parent is None or parent.pid is None:
             return False
         parent_pid = parent.pid
     if not sys.platform.startswith("linux"):

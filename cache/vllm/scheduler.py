@@ -315,7 +315,7 @@ class SchedulerSide:
             if st is None or not st.chunks or not request_wants(st.request, SAVE):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
-            block_ids = null = None
+            block_ids, null = None, 0  # (both fetched at the first save)
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
                 i = st.next_save
                 c = st.chunks[i]
