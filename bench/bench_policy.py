@@ -50,10 +50,10 @@ from cache.policy import DEFAULT_POLICY  # noqa: E402
 from cache.policy.panel import ExpertPanel  # noqa: E402
 from cache.tools.replay import (  # noqa: E402
     capacity_for_fraction,
-    distinct_blocks,
     load_trace,
     run,
 )
+from cache.tools.trace import distinct_blocks  # noqa: E402
 
 DEFAULT_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 if not DEFAULT_TRACE.exists():

@@ -173,7 +173,7 @@ def model_script(tmp_path, monkeypatch):
     monkeypatch.setattr(SageMakerFunctionLoader, "_default_function_loader", None)  # the library caches it
     yield folder
     monkeypatch.delenv("SAGEMAKER_MODEL_PATH")
-    SageMakerFunctionLoader._default_function_loader = None
+    SageMakerFunctionLoader._default_function_loader = None  # noqa: SLF001 (the library's cache; no public reset)
 
 
 def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_path):

@@ -109,7 +109,7 @@ def test_bounded_records_held_chunks_and_pending_events(monkeypatch):
     assert [type(e).__name__ for e in out] == ["BlockStored", "BlockStored", "BlockStored", "BlockRemoved"]
     assert list(events.held["dram"]) == ["x1", "x2"]
     for _ in range(5):
-        events._emit(BlockRemoved(block_hashes=[], medium=None))
+        events.emit(BlockRemoved(block_hashes=[], medium=None))
     assert len(events.take()) == 4 and events.dropped == 1
 
 

@@ -107,7 +107,7 @@ def test_layers_are_read_in_layer_order_across_chunks(tmp_path, monkeypatch):
 def test_a_damaged_layer_fails_its_chunk_and_every_later_one(tmp_path, tier):
     side, caches = worker(tmp_path, tier)
     bad = side.store.tiers[-1 if tier == "shared" else 0]
-    path = bad._path(KEYS[1]) if tier == "shared" else bad.path(KEYS[1])
+    path = bad.path(KEYS[1]) if tier == "shared" else bad.path(KEYS[1])
     with open(path, "r+b") as f:  # one byte of the last layer: found only once the whole entry is read
         f.seek(-3, 2)
         byte = f.read(1)
@@ -263,7 +263,7 @@ def test_a_transport_that_reads_whole_files_reads_each_entry_once(tmp_path, monk
     from cache.tiers.transport import CurvineOps
 
     side, caches = worker(tmp_path, "shared")
-    ops, reads = side.store.tiers[-1]._fs(), []
+    ops, reads = side.store.tiers[-1].ops(), []
 
     def whole_file(path, use):
         reads.append(path)

@@ -198,17 +198,18 @@ class TierEvents:
             event = BlockStored(block_hashes=known[0], parent_block_hash=known[1], token_ids=[],
                                 block_size=self.block_size, lora_id=None, medium=MEDIUM[tier], lora_name=None,
                                 group_idx=0, locality=LOCALITY[tier], ownership=tier)
-        self._emit(event)
+        self.emit(event)
         if len(held) > MAX_HELD:
             self._removed(tier, next(iter(held)))
 
     def _removed(self, tier: str, key: str) -> None:
         known = self.held[tier].pop(key, None)
         if known is not None:
-            self._emit(BlockRemoved(block_hashes=known[0], medium=MEDIUM[tier], group_idx=0,
+            self.emit(BlockRemoved(block_hashes=known[0], medium=MEDIUM[tier], group_idx=0,
                                     locality=LOCALITY[tier], ownership=tier))
 
-    def _emit(self, event) -> None:
+    def emit(self, event) -> None:
+        """Queue ``event`` for vLLM's next ``take``; beyond ``MAX_PENDING`` it is dropped (counted)."""
         if len(self.pending) >= MAX_PENDING:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 10000 == 0:
