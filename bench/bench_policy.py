@@ -14,8 +14,8 @@ could reach; the trace's arrival statistics (how regular each block's reuse gaps
 say why the rest of Belady's lead cannot be learned. It writes:
 
 - ``bench/results/policy.md``: the table (also printed), with the share of the
-  LRU-to-Belady gap ours and the oracles close, the arrival statistics, chunk lookups per second measured in the same run,
-  our policy's memory per tracked chunk, and ours with queue hints;
+  LRU-to-Belady gap ours and the oracles close, the arrival statistics, chunk lookups per
+  second measured in the same run, our policy's memory per tracked chunk, and ours with queue hints;
 - ``bench/results/policy_hit_ratio.png``: hit ratio against capacity (matplotlib, Agg);
 - ``bench/results/policy.json``: every number above;
 - ``bench/results/policy_robustness.{md,json,png}``: the robustness grid
@@ -50,10 +50,10 @@ from cache.policy import DEFAULT_POLICY  # noqa: E402
 from cache.policy.panel import ExpertPanel  # noqa: E402
 from cache.tools.replay import (  # noqa: E402
     capacity_for_fraction,
-    distinct_blocks,
     load_trace,
     run,
 )
+from cache.tools.trace import distinct_blocks  # noqa: E402
 
 DEFAULT_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 if not DEFAULT_TRACE.exists():
@@ -100,8 +100,8 @@ def reuse_regularity(requests, min_uses: int = 6) -> dict:
 
 def gap_closed(ratio: Dict[str, List[float]], name: str) -> List[float]:
     """Share of the LRU-to-Belady distance that ``name`` covers, per capacity."""
-    return [(o - l) / (b - l) if b > l else 0.0
-            for o, l, b in zip(ratio[name], ratio["lru"], ratio["belady"])]
+    return [(o - lru) / (b - lru) if b > lru else 0.0
+            for o, lru, b in zip(ratio[name], ratio["lru"], ratio["belady"])]
 
 
 def readme_section(payload: dict) -> str:

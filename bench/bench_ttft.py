@@ -187,7 +187,7 @@ class Bench:
         """Drop ``folder`` from the page cache and check it; pages still being written
         back cannot be dropped, so retry for a few seconds before failing. Returns the
         bytes still resident (``resident_after_drop``), to record with the sample."""
-        for attempt in range(20):
+        for attempt in range(20):  # noqa: B007 (read after the loop)
             check = pagecache.drop_checked(folder)
             if check["resident_after"] <= 0.01 * max(check["bytes"], 1):
                 break
@@ -279,7 +279,7 @@ class Bench:
                 self.ttft(e, p, reset=False)  # populate the disk tier (and warm up this size)
                 self.wait_stable(disk)
                 self.tier_hits(e, "disk", "ours-disk", p, size,
-                               before=lambda: self.drop(disk, "ours-disk", size))
+                               before=lambda size=size: self.drop(disk, "ours-disk", size))
 
     def run_ours_l3(self) -> None:
         """ours-l3, each sample followed by the same prompt from vLLM's prefix cache
@@ -389,7 +389,8 @@ class Bench:
                         r = self.ttft(e, p, reset=True)
                         self.record(row, size, r, self.peer_hit(r, self.loadable(size), row), **detail)
                         r0 = self.ttft(e, p, reset=False)
-                        self.record("l0 (example engine)", size, r0, self.peer_hit(r0, self.loadable(size), "l0 (example engine)"))
+                        l0 = "l0 (example engine)"
+                        self.record(l0, size, r0, self.peer_hit(r0, self.loadable(size), l0))
 
     def run_throughput(self) -> None:
         """No reuse: batches of distinct prompts, with and without our connector.
@@ -566,11 +567,13 @@ def markdown(result: dict) -> str:
         f"Machine: {cfg['machine']}. Run took {result['wall_s'] / 60:.1f} min.",
         "",
         "TTFT / l0: against the l0 row of the same tier's engine (l0 for DRAM rows, "
-        "l0 (disk engine) for disk rows, l0 (l3 engine) for L3 rows); hit tokens: tokens not recomputed (vLLM's num_cached_tokens); "
+        "l0 (disk engine) for disk rows, l0 (l3 engine) for L3 rows); "
+        "hit tokens: tokens not recomputed (vLLM's num_cached_tokens); "
         "over paired l0: median TTFT minus the median of the l0 hits measured alternately with it "
         "in the same engine (what the connector adds over vLLM's own prefix cache).",
         "",
-        "| scenario | prompt tokens | median TTFT ms | min–max ms | hit tokens | floor ms | TTFT / floor | 1-token floor ms | TTFT / 1-token floor | TTFT / l0 | over paired l0 ms | measured |",
+        "| scenario | prompt tokens | median TTFT ms | min–max ms | hit tokens | floor ms | TTFT / floor "
+        "| 1-token floor ms | TTFT / 1-token floor | TTFT / l0 | over paired l0 ms | measured |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     if result.get("restored_rows"):
@@ -901,7 +904,8 @@ def main(argv=None) -> int:
         f.write(md)
     print("\n" + md)
     log(f"wrote {args.out}/ttft.json and ttft.md; logs in {args.workdir}/logs")
-    if os.path.abspath(args.out) == os.path.join(REPO, "bench", "results") and (not only or only == {"throughput"} or restored):
+    official = os.path.abspath(args.out) == os.path.join(REPO, "bench", "results")
+    if official and (not only or only == {"throughput"} or restored):
         if write_readme(result):
             log("bench/README.md: benchmark section updated")
     return 1 if bench.errors else 0

@@ -39,7 +39,7 @@ def _ordering(o: dict) -> list[str]:
 def _threads(t: dict) -> list[str]:
     seen = ", ".join(f"{k}: cuda:{v}" for k, v in t["seen"].items())
     note = ("" if t["distinguishing"] else
-            f" (one GPU on this machine: device 0 is also the default, so this does not tell a thread "
+            " (one GPU on this machine: device 0 is also the default, so this does not tell a thread "
             "that selected it from one that did not; the unit test tests/test_cuda_order.py does)")
     return ["## 3. The worker's device in the cache's threads", "",
             f"Copier on cuda:{t['device']} ({t['devices']} device(s)); {seen}: {_mark(t['ok'])}{note}."]

@@ -90,7 +90,7 @@ def staging_high_water(case: dict, device: torch.device, gathers: int = 64, slot
     copier = BlockCopier(views, layout, staging=pool)
     allocated = _pinned_bytes() - before
     if device.type == "cuda":
-        torch.cuda._sleep(100_000_000)  # the forward pass still running: every copy stays queued
+        torch.cuda._sleep(100_000_000)  # noqa: SLF001 (the forward pass still running: every copy stays queued)
     got = [copier.gather_async([(4 * i + k) % case["num_blocks"] for k in range(4)]) for i in range(gathers)]
     taken = [g for g in got if g is not None]
     for g in taken:
@@ -119,12 +119,12 @@ def bandwidth(case: dict, device: torch.device, tokens=(256, 1024), repeats: int
         ids = rng.sample(range(case["num_blocks"]), n_tokens // per)
         nbytes = len(ids) * layout.bytes_per_block()
 
-        def gather():
+        def gather(ids=ids):
             got = copier.gather_async(ids)
             got.wait()
             got.release()
 
-        def enqueue() -> float:  # what a save costs the forward thread
+        def enqueue(ids=ids) -> float:  # what a save costs the forward thread
             _sync(device)
             t = time.perf_counter()
             got = copier.gather_async(ids)
@@ -135,7 +135,7 @@ def bandwidth(case: dict, device: torch.device, tokens=(256, 1024), repeats: int
 
         entry = copier.gather(ids)  # pageable, as an entry read from a tier is
 
-        def scatter():
+        def scatter(ids=ids, entry=entry):
             copier.scatter(ids, entry)
 
         g, s = _best(gather, device, repeats), _best(scatter, device, repeats)

@@ -26,7 +26,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import pagecache, peers  # noqa: E402
-from bench.bench_ttft import BLOCK, DTYPE, MODEL_SHAPE, Bench  # noqa: E402
+from bench.bench_ttft import DTYPE, MODEL_SHAPE, Bench  # noqa: E402
 from bench.ttft_engine import EngineProcess  # noqa: E402
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> None:
                                      "KVCACHE_DISK_SIZE": "2GiB" if tier_name == "disk" else "0"})
         timed = {"read": 0.0, "decode": 0.0}
 
-        def timer(step, seconds):
+        def timer(step, seconds, timed=timed):
             timed[step] += seconds
 
         store = writer_store(config, ns, timer=timer)

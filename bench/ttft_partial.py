@@ -25,6 +25,7 @@ drops, bandwidth floors):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -111,7 +112,7 @@ def run_sweep(bench) -> None:
             bench.ttft(e, warm, reset=True)
             bench.ttft(e, warm, reset=True)
             before = e.call(op="metrics")["metrics"]
-            for i in range(bench.hit_repeats):
+            for _ in range(bench.hit_repeats):
                 r = bench.ttft(e, prompt, reset=True)
                 bench.record(f"sweep {cap / 1e6:.0f} MB/s", size, r, loaded_tokens(r).get("shared", 0),
                              cap=cap, loaded=loaded_tokens(r))
@@ -222,7 +223,8 @@ def markdown(extra: dict) -> list[str]:
             lines.append(f"| {r['tier']} | {r['prefix']} | {r['suffix']} | {_f(r['median_ms'])} | "
                          f"{_f(min(r['samples_ms']))}–{_f(max(r['samples_ms']))} | {min(r['loaded'])} | "
                          f"{_f(r['suffix_compute_ms'])} | {_f(r['load_ms'])} | {_f(r['floor_ms'])} | "
-                         f"{_f(r['vs_floor'], '.2f')} | {'≤ ' + str(r['target']) + ' ' + met if r['target'] else '–'} |")
+                         f"{_f(r['vs_floor'], '.2f')} | "
+                         f"{'≤ ' + str(r['target']) + ' ' + met if r['target'] else '–'} |")
     if extra.get("sweep"):
         lines += ["", "## Shared-tier bandwidth sweep", "",
                   "A repeated prompt served through the shared tier at each bandwidth cap "
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
             if name == "sweep":
                 bench.scenario(name, lambda: run_sweep(bench))
             else:
-                bench.scenario(name, lambda kind=name.split("-")[1]: run_partial(bench, kind))
+                bench.scenario(name, functools.partial(run_partial, bench, name.split("-")[1]))
     finally:
         shutil.rmtree(args.shmdir, ignore_errors=True)
         shutil.rmtree(args.workdir, ignore_errors=True)

@@ -55,6 +55,7 @@ def build_tiers(config: CacheConfig, namespace_id: str,
         if spec.shared:
             tiers.append(shared_tier(config, namespace_id, thread_setup))
         else:
+            assert spec.capacity is not None  # (only the shared tier has none)
             tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
                                   use_mmap=spec.mapped, direct_reads=spec.direct_reads))
     return tiers
@@ -95,7 +96,7 @@ def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:
     """The pins of the last local tier's folder (``cache.pins``), None without a local tier;
     ``namespace_id``: the namespace whose pins ``held`` answers for."""
     last = [s for s in config.tiers() if s.last_local]
-    if not last:
+    if not last or last[0].capacity is None:
         return None
     return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id,
                    tenant_share=config.pin_tenant_max)

@@ -20,8 +20,8 @@ percentage is resolved against the free space each process sees).
 
 Also read here: ``KVCACHE_ENABLED`` (``cache_enabled``), ``KVCACHE_WARM_PROMPTS``
 (``warm_prompts``), whose prompts file is parsed by ``cache.prompts.read_prompt_file``
-for the start-up check and for the warm tool alike, and ``KVCACHE_WARM_DRAM`` (``warm_dram``). Names that belong to a registry
-(policies, shared admission modes) and the shared URL's filesystem are checked by
+for the start-up check and for the warm tool alike, and ``KVCACHE_WARM_DRAM`` (``warm_dram``).
+Names that belong to a registry (policies, shared admission modes) and the shared URL's filesystem are checked by
 ``cache.assembly.validate``, where those live. The DRAM tier's size and folder follow
 one rule, in ``cache.dram``.
 

@@ -116,7 +116,7 @@ class TierRate:
         return None if w is None or w[1] <= 0 else 1.0 / w[1]
 
 
-def attention_pairs(new: int, cached: int) -> float:
+def attention_pairs(new: float, cached: float) -> float:
     """Query-key pairs of computing ``new`` tokens after ``cached`` ones (causal)."""
     return new * (cached + new / 2)
 
@@ -197,17 +197,19 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
     if not chunks:
         return Plan(0, 0, "none")
     starts = [max(computed, c.start) for c in chunks] + [max(computed, chunks[-1].end)]
-    compute = [prefill.seconds(n_tokens - s, s) for s in starts]
+    predicted = [prefill.seconds(n_tokens - s, s) for s in starts]
+    compute = [v for v in predicted if v is not None]
     known = all(c.tier in tiers and tiers[c.tier].seconds(c.nbytes) is not None for c in chunks)
-    if any(v is None for v in compute) or not known:
+    if len(compute) < len(predicted) or not known:
         sync = inline or all(c.tier in synchronous for c in chunks)
         return Plan(found, found, "sync" if sync else "async")
-    plans = [(compute[0], 0, "none", 0.0)]  # recompute everything
+    plans: list[tuple[float, int, str, float]] = [(compute[0], 0, "none", 0.0)]  # recompute everything
     nbytes: dict[str, int] = {}
     for j in range(1, found + 1):
         c = chunks[j - 1]
         nbytes[c.tier] = nbytes.get(c.tier, 0) + c.nbytes
-        load = sum(tiers[t].seconds(n) for t, n in nbytes.items())  # one load: latency once per tier
+        # one load: latency once per tier (each tier's fit is known: checked above)
+        load = sum(tiers[t].seconds(n) or 0.0 for t, n in nbytes.items())
         sync = inline or all(c.tier in synchronous for c in chunks[:j])
         ttft = load + compute[j] + (0.0 if sync else ASYNC_ROUND_TRIP_S)
         plans.append((ttft, j, "sync" if sync else "async", load))

@@ -31,12 +31,15 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, cast
 
 from cache.keys import prompt_chunks
 from cache.popularity import Note, decode_note, hottest
 from cache.store import TieredStore
 from cache.tiers.notes import read_notes
+
+if TYPE_CHECKING:
+    from cache.tiers.shared import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ class DramWarm:
         """Copy every prompt's chunks, in order; the keys warm now."""
         chains = [[k for k, _s, _e in prompt_chunks(self.chain, list(p), self.chunk_tokens)] for p in prompts]
         planned = {k for chain in chains for k in chain}
-        p, warm, seen = self.prompts, set(), set()
+        p, warm, seen = self.prompts, set[str](), set[str]()
         p.planned = len(planned)
         for chain in chains:
             for i, key in enumerate(chain):
@@ -185,7 +188,7 @@ class DramWarm:
         if shared is None:
             return []
         notes = []
-        for name, data in read_notes(shared):
+        for name, data in read_notes(cast("SharedTier", shared)):  # the store's last tier when it has one
             try:
                 notes.append(decode_note(data))
             except ValueError as e:

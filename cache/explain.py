@@ -104,7 +104,8 @@ class Fates:
         """``(key, event, tier)`` in the order a worker saw them. ``missing`` (a load found
         nothing) overwrites only ``stored``/``publishing``: a known reason stays."""
         for key, event, tier in events:
-            if event == MISSING and self.get(key, (STORED,))[0] not in (STORED, PUBLISHING):
+            fate = self.get(key)
+            if event == MISSING and fate is not None and fate[0] not in (STORED, PUBLISHING):
                 continue
             self.note(key, event, tier)
 
@@ -263,7 +264,7 @@ class Explainer:
         add(0, look.l0, "vllm", NO_TIER, True)
         failed_at = next((i for i, c in enumerate(look.chunks) if c[0] == look.failed), None)
         cut = min(x for x in (failed_at, look.recompute_from, len(look.found)) if x is not None)
-        for i, (key, start, end) in enumerate(look.chunks):
+        for i, (_key, start, end) in enumerate(look.chunks):
             start = max(start, look.l0)
             if i < cut:
                 add(start, end, self._source(look, i), NO_TIER, True)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def cause_of(exc: BaseException) -> str:
     looking through wrappers (the shared tier raises its own errors ``from`` the
     filesystem's); ``timeout``, ``unavailable`` (shared tier down), ``os_error`` (another
     errno) or ``other``."""
-    seen = exc
+    seen: Optional[BaseException] = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _CAUSES:
             return _CAUSES[seen.errno]
@@ -97,7 +98,7 @@ class WriteFaults:
                 return cause
             episode = self._episodes.get(tier)
             first = episode is None
-            if first:
+            if episode is None:
                 episode = self._episodes[tier] = _Episode(self._clock())
             new_cause = cause not in episode.causes
             episode.causes[cause] += 1

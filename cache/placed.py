@@ -160,6 +160,8 @@ class PartRead:
         """Read the next part into its buffers and hash it; after the last, verify.
         ``rest``: the caller reads every part left, one after the other (a whole read;
         ``DirectReader`` reads those through the page cache)."""
+        check, info = self._check, self.info
+        assert check is not None and info is not None, "read_part before the header was read"
         offset = HEADER_SIZE + self.next_part * self._part_bytes
         expect = getattr(reader, "expect", None)
         if expect is not None:
@@ -172,8 +174,8 @@ class PartRead:
                 t1 = time.perf_counter()
                 if got != len(piece):
                     raise CorruptEntry(f"entry ended at byte {offset + got}, header says "
-                                       f"{HEADER_SIZE + self.info.payload_len}")
-                self._check.update(piece)
+                                       f"{HEADER_SIZE + info.payload_len}")
+                check.update(piece)
                 self._hashing += time.perf_counter() - t1
                 self._reading += t1 - t0
                 offset += got
@@ -183,6 +185,7 @@ class PartRead:
 
     def _verify(self) -> None:
         t1 = time.perf_counter()
+        assert self._check is not None  # (set with the header)
         self._check.verify()
         if self.timer is not None:
             self.timer("read", self._reading)

@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, TypeGuard
 
 from cache.tiers.layout import is_key, this_host
 from cache.tiers.notes import NOTE_SUFFIX, list_notes, read_note, remove_note, write_note
@@ -177,7 +177,7 @@ def decode_note(data: bytes) -> Note:
     return Note(node, float(written), tuple(entries))
 
 
-def _number(x) -> bool:
+def _number(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -200,7 +200,7 @@ def hottest(notes: Iterable[Note], now: float, half_life_s: float = HALF_LIFE_S,
                 entry[0] += h.score * factor
     # A chunk is used whenever one of its children is: it counts at least as much as they do
     # (nodes that forgot different chunks can disagree).
-    for key, entry in sorted(merged.items(), key=lambda kv: -kv[1][2]):
+    for entry in sorted(merged.values(), key=lambda e: -e[2]):
         parent = merged.get(entry[1]) if entry[1] is not None else None
         if parent is not None and parent[0] < entry[0]:
             parent[0] = entry[0]

@@ -20,7 +20,6 @@ import psutil
 from cache.errors import ConfigError
 from cache.tiers.layout import folder_usage
 
-
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

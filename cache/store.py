@@ -8,7 +8,8 @@ Engine-agnostic (no vLLM, no torch). ``cache.assembly`` builds one store per rol
   ``put``; it owns the I/O threads and one eviction policy per local tier.
 
 Local tiers (DRAM, disk) form a hierarchy: writes go to the top (the first tier that
-can hold the entry at all), evictions demote down, hits promote back to the top. A *shared* tier (``tier.shared``, L3 on Curvine; at most
+can hold the entry at all), evictions demote down, hits promote back to the top.
+A *shared* tier (``tier.shared``, L3 on Curvine; at most
 one, last) is not part of that hierarchy: its space is the backend's, nothing is evicted
 from it, and chunks are *published* to it by ``SharedAdmission``: by default a chunk
 used a second time (hit in a local tier, computed again, or evicted after a hit), or one
@@ -49,10 +50,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.admission import SharedAdmission
-from cache.codec import CorruptEntry, EntryInfo, HEADER_SIZE, UnsignedEntry, decode, encode_header, read_header
+from cache.codec import HEADER_SIZE, CorruptEntry, EntryInfo, UnsignedEntry, decode, encode_header, read_header
 from cache.durability import CopyQueue
-from cache.placed import BlockWriters, LoadEnded, Misfit, PartRead, Place, Staged
 from cache.faults import WriteFaults
+from cache.pins import PinBook
+from cache.placed import BlockWriters, LoadEnded, Misfit, PartRead, Place, Staged
 from cache.policy import EvictionPolicy, Offer
 from cache.tiers.base import Buffer, Tier
 
@@ -126,7 +128,7 @@ class TieredStore:
         # not_admitted, damaged, ...; ``cache.explain``), on the thread it happened on.
         self.on_event: Optional[Callable[[str, str, str], None]] = None
         # Pinned prefixes (a ``cache.pins.PinBook``; ``held(key)``): eviction passes them over.
-        self.pins = None
+        self.pins: Optional[PinBook] = None
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -264,7 +266,7 @@ class TieredStore:
                              writers, keep)
             t0 = time.perf_counter()
             try:
-                raw = tier.read_with(key, lambda reader: read.use(reader, whole))
+                raw = tier.read_with(key, lambda reader: read.use(reader, whole))  # noqa: B023 (called at once)
             except KeyError:
                 continue
             except CorruptEntry as e:

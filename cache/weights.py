@@ -112,8 +112,9 @@ def fingerprint(path: str, mode: str = "sampled") -> Fingerprint:
         generic = [(p, size) for rel, p, size in weights if headers.get(rel) is None]
         spacing = max(PIECE, sum(size for _p, size in generic) // GENERIC_PIECES)
         for rel, p, size in weights:
-            if headers.get(rel) is not None:
-                reader.tensor_samples(p, headers[rel], piece)
+            tensors_of = headers.get(rel)
+            if tensors_of is not None:
+                reader.tensor_samples(p, tensors_of, piece)
             else:
                 reader.spread(p, size, spacing)
     return Fingerprint(h.hexdigest(), mode, len(weights), sum(s for _r, _p, s in weights), reader.read)

@@ -25,8 +25,15 @@ import os
 import sys
 from typing import Any, Optional
 
-from sagemaker_requests import (DEFAULT_STARTUP_TIMEOUT_S, GPU_INFERENCE_AMI, ROUTING, EndpointSpec,
-                                model_name, requests, tag_list)
+from sagemaker_requests import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    GPU_INFERENCE_AMI,
+    ROUTING,
+    EndpointSpec,
+    model_name,
+    requests,
+    tag_list,
+)
 
 
 def _endpoint_exists(sm, name: str) -> bool:

@@ -52,14 +52,15 @@ def _pins(config: ServingConfig):
     """``(PinBook, tier name)`` of the tier that keeps pins (``cache.pins``), for the metrics."""
     cache = config.plan.cache if config.plan is not None else None
     book = pin_book(cache) if cache is not None else None
-    if book is None:
+    if cache is None or book is None:
         return None
     return book, next(t.name for t in cache.tiers() if t.last_local)
 
 
 def load_standards(http: HttpSettings):
     """The SageMaker standards library, its stateful-session manager set from our
-    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's handlers (as vLLM notes): undone."""
+    settings (bounded: ``serving.sessions``). Importing it re-levels the root logger's
+    handlers (as vLLM notes): undone."""
     root = logging.getLogger()
     levels = [(h, h.level) for h in root.handlers]
     root_level = root.level
@@ -116,6 +117,7 @@ def _error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception):
         return response_for(exc)
 
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
+    # (Starlette types every handler for Exception; it calls each only with its own class.)
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unexpected)

@@ -45,9 +45,9 @@ from cache.errors import ConfigError, FootprintError
 from cache.flags import parse_bool
 from cache.footprint import KVFootprint, footprint_from_config
 from cache.vllm import WORKER_EXTENSION, kv_transfer_config
-from serving.machine import Machine, probe_machine
 from serving.conventions import engine_args, render, with_serving_properties
 from serving.describe import effects
+from serving.machine import Machine, probe_machine
 from serving.model import ModelSource, hf_config, resolve_model, sagemaker_model_dir
 from serving.ports import port_range_env
 from serving.sizing import GiB, TierPlan, plan_tiers, weights_bytes

@@ -121,10 +121,11 @@ def engine_args(env: Mapping[str, str], gpus: int) -> tuple[dict[str, str], dict
                 continue
             if prefix == "OPTION_":
                 if name in LMI_ALIASES:
-                    if LMI_ALIASES[name] is None:
+                    alias = LMI_ALIASES[name]
+                    if alias is None:
                         notes.append(f"{var} is an LMI setting without a vLLM equivalent; ignored")
                         continue
-                    name = LMI_ALIASES[name]
+                    name = alias
                 if name == "tensor_parallel_size" and value.lower() == "max":
                     value = str(max(1, gpus))
                 if name == "dtype":

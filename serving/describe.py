@@ -7,7 +7,7 @@ setting, a variable for the engine processes, or the tier plan.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterator, Mapping
 
 HTTP_VARIABLES = (
     ("SAGEMAKER_BIND_TO_PORT", "port", lambda h: str(h.port)),
@@ -52,11 +52,11 @@ def effects(env: Mapping[str, str], model, engine, http) -> tuple[tuple[str, str
         value = args.get(flag, args.get("--no-" + flag[2:], ""))
         shown = "***" if flag in ("--hf-token", "--api-key") else str(env.get(var, ""))
         out.append((f"{var}={shown}", _rendered(flag, value) if value != "" else flag))
-    for var, what, value in HTTP_VARIABLES:
+    for var, what, render in HTTP_VARIABLES:
         if var in env:
-            out.append((f"{var}={env[var]}", f"{what} {value(http)}"))
+            out.append((f"{var}={env[var]}", f"{what} {render(http)}"))
         elif var in SHOWN_DEFAULTS:
-            out.append((f"{var} (default)", f"{what} {value(http)}"))
+            out.append((f"{var} (default)", f"{what} {render(http)}"))
     for key, value in engine.env:
         why = "SAGEMAKER_SAFE_PORT_RANGE" if key == "VLLM_PORT" else f"{key} (default)"
         out.append((f"{why}={env[why]}" if why in env else why, f"engine processes get {key}={value}"))
@@ -66,7 +66,7 @@ def effects(env: Mapping[str, str], model, engine, http) -> tuple[tuple[str, str
     return tuple(out)
 
 
-def _pairs(args: tuple[str, ...]):
+def _pairs(args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
     i = 0
     while i < len(args):
         if i + 1 < len(args) and not args[i + 1].startswith("--"):

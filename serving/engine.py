@@ -33,10 +33,10 @@ from serving.config import EngineSettings
 from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args
 from serving.leftovers import engine_ready
-from serving.model import fetch_model
-from serving.weights import with_weights_fingerprint
 from serving.metrics import RequestOutcome, now, outcome_from_output
+from serving.model import fetch_model
 from serving.warmup import Warmup
+from serving.weights import with_weights_fingerprint
 
 
 class _State:
@@ -249,7 +249,6 @@ def _build_async_llm(args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
-
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     engine_args = AsyncEngineArgs.from_cli_args(args)

@@ -52,8 +52,9 @@ def parse_engine_args(settings: EngineSettings):
                           + (f" ({'; '.join(hint)})" if hint else ""))
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="serving"))
-    parser.error = fail  # type: ignore[method-assign]  # argparse would print usage and exit
-    args = parser.parse_args(known_lmi_options(settings, set(parser._option_string_actions)))
+    parser.error = fail  # argparse would print usage and exit
+    # argparse lists its option strings only in this attribute.
+    args = parser.parse_args(known_lmi_options(settings, set(parser._option_string_actions)))  # noqa: SLF001
     try:
         validate_parsed_serve_args(args)
     except (TypeError, ValueError) as e:

@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-
 from cache.config import memory_limit
 
 log = logging.getLogger(__name__)

@@ -151,6 +151,9 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
     fetched. Blocks for as long as the download takes: call it from a thread."""
     if not model.s3_uri:
         return 0
+    local_dir = model.local_dir
+    if local_dir is None:
+        raise ValueError(f"{model.s3_uri}: no local folder to download it into")
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -158,7 +161,7 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
     prefix = prefix.strip("/")
     s3 = client or boto3.client("s3")
     fetched = 0
-    manifest_path = os.path.join(model.local_dir, S3_MANIFEST)
+    manifest_path = os.path.join(local_dir, S3_MANIFEST)
     try:
         with open(manifest_path) as f:
             etags = dict(json.load(f))
@@ -172,7 +175,7 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
                 rel = obj["Key"][len(prefix):].lstrip("/") if prefix else obj["Key"]
                 if not rel or rel.endswith("/") or (only and rel not in only):
                     continue
-                target = os.path.join(model.local_dir, rel)
+                target = os.path.join(local_dir, rel)
                 known = etags.get(rel) or [obj["Size"], obj.get("ETag")]
                 if os.path.isfile(target) and os.path.getsize(target) == obj["Size"] and known[1] == obj.get("ETag"):
                     etags[rel] = [obj["Size"], obj.get("ETag")]
@@ -187,7 +190,7 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
     except (BotoCoreError, ClientError) as e:
         raise ConfigError(f"cannot download the model from {model.s3_uri}: {e}") from None
     if not only:
-        if not os.path.isfile(os.path.join(model.local_dir, "config.json")):
+        if not os.path.isfile(os.path.join(local_dir, "config.json")):
             raise ConfigError(f"{model.s3_uri} holds no config.json: not a model")
         with open(f"{manifest_path}.partial-{os.getpid()}", "w") as f:
             json.dump(etags, f)

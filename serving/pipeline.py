@@ -32,7 +32,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -263,7 +263,7 @@ async def _respond(request: Request, result: Any, prepared: Prepared) -> Respons
     return await _stream(request, result, prepared)
 
 
-async def _stream(request: Request, chunks: AsyncIterator[str], prepared: Prepared) -> Response:
+async def _stream(request: Request, chunks: AsyncGenerator[str, None], prepared: Prepared) -> Response:
     """Validate a stream by its first event, then stream the rest (module docstring)."""
     app = request.app.state
     outcome, first = await race(request, _first(chunks), app.gate, None)
@@ -291,7 +291,7 @@ def _status(error: dict) -> int:
     return int(code) if code.isdigit() and 400 <= int(code) < 600 else 400
 
 
-async def _first(chunks: AsyncIterator[str]) -> Optional[str]:
+async def _first(chunks: AsyncGenerator[str, None]) -> Optional[str]:
     try:
         return await chunks.__anext__()
     except StopAsyncIteration:
@@ -313,7 +313,7 @@ def _stream_error(chunk: Optional[str]) -> Optional[dict]:
     return None
 
 
-async def _prepend(first: Optional[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _prepend(first: Optional[str], rest: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     try:
         if first is not None:
             yield first
@@ -323,7 +323,7 @@ async def _prepend(first: Optional[str], rest: AsyncIterator[str]) -> AsyncItera
         await rest.aclose()
 
 
-async def _until_cut(chunks: AsyncIterator[str], app, constrained: bool) -> AsyncIterator[str]:
+async def _until_cut(chunks: AsyncGenerator[str, None], app, constrained: bool) -> AsyncGenerator[str, None]:
     """The stream, ended by an error event (503) once the drain deadline has passed. An
     error event ends it (``[DONE]`` follows, nothing else); a 5xx one is answered as
     ``instead_of_5xx`` says (the engine died: 503)."""
@@ -346,7 +346,7 @@ async def _until_cut(chunks: AsyncIterator[str], app, constrained: bool) -> Asyn
         await chunks.aclose()
 
 
-async def _tgi_events(chunks: AsyncIterator[str], tgi: TgiRequest) -> AsyncIterator[str]:
+async def _tgi_events(chunks: AsyncGenerator[str, None], tgi: TgiRequest) -> AsyncGenerator[str, None]:
     conv = TgiStream(tgi)
     async for chunk in chunks:
         for event in conv.feed(chunk):

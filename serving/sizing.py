@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from cache.assembly import validate
-from cache.config import DRAM_MARGIN, GiB, CacheConfig, build_cache_config
+from cache.config import DRAM_MARGIN, CacheConfig, GiB, build_cache_config
 from cache.footprint import KVFootprint
 from cache.sizes import human_bytes
 from serving.machine import Machine

@@ -8,8 +8,8 @@ def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path
     tier, judges admission; a shared tier below them changes neither. (Moved here from
     tests/test_policy.py, whose copy imports the connector's old module path.)"""
     from cache.config import build_cache_config
-    from cache.vllm.worker import WorkerSide
     from cache.keys import Namespace
+    from cache.vllm.worker import WorkerSide
 
     cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",

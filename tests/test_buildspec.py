@@ -6,7 +6,6 @@ layer reuse and the artifact are checked without AWS or a Docker engine."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -79,7 +78,8 @@ def test_creates_the_repository_when_missing(tmp_path):
 
 
 @pytest.mark.parametrize("env,tag", [
-    ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "", "GIT_COMMIT": "fedcba9876543210fedcba9876543210fedcba98"}, "fedcba987654"),
+    ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "", "GIT_COMMIT": "fedcba9876543210fedcba9876543210fedcba98"},
+     "fedcba987654"),
     ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "3sL4kqtJ+rmSp/Xd3dIbrHY"}, "3sL4kqtJ-rmS"),   # an S3 object version
     ({"CODEBUILD_RESOLVED_SOURCE_VERSION": ".hidden"}, "_hidden"),
 ])

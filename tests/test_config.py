@@ -5,8 +5,14 @@ import json
 import pytest
 
 from cache.assembly import validate
-from cache.config import (CacheConfig, build_cache_config, check_block_size, config_from_connector, connector_extra,
-                          parse_size, read_prompt_file)
+from cache.config import (
+    build_cache_config,
+    check_block_size,
+    config_from_connector,
+    connector_extra,
+    parse_size,
+    read_prompt_file,
+)
 from cache.errors import ConfigError
 
 

@@ -48,7 +48,8 @@ def test_tier_rate_is_latency_plus_bytes_over_bandwidth():
 def prefill(per_token=1e-4, per_pair=1e-8, overhead=0.01):
     p = PrefillRate(Clock())
     for new, cached in ((1, 8000), (512, 0), (1024, 1024), (4096, 0), (2048, 6000), (64, 100)):
-        p.observe(new, attention_pairs(new, cached), overhead + per_token * new + per_pair * attention_pairs(new, cached))
+        pairs = attention_pairs(new, cached)
+        p.observe(new, pairs, overhead + per_token * new + per_pair * pairs)
     return p
 
 

@@ -78,7 +78,8 @@ def test_memory_is_bounded_by_the_slots_whatever_the_size():
 
 
 def test_curves_report_deltas_of_tokens_and_their_levels():
-    chunks = [SimpleNamespace(key=hashlib.blake2b(bytes([i])).hexdigest(), start=256 * i, end=256 * (i + 1)) for i in range(8)]
+    chunks = [SimpleNamespace(key=hashlib.blake2b(bytes([i])).hexdigest(), start=256 * i, end=256 * (i + 1))
+              for i in range(8)]
     curves = Curves({"dram": 4, "disk": 16}, "lru", last_local="disk", min_shift=0)
     assert curves.stats() == {}
     curves.observe(chunks)

@@ -17,7 +17,8 @@ def test_promql_names():
     assert metric_names(expr) == {"kvcache_time_to_first_token_seconds_bucket", "kvcache:tier_used_bytes"}
     text = ("# HELP kvcache:tier_hits_total x\n# TYPE kvcache:tier_hits_total counter\n"
             "# TYPE kvcache_request_kv_bytes histogram\nvllm:num_requests_running{a=\"b\"} 1.0\n")
-    assert {"kvcache:tier_hits_total", "kvcache_request_kv_bytes_bucket", "vllm:num_requests_running"} <= exported_names(text)
+    expected = {"kvcache:tier_hits_total", "kvcache_request_kv_bytes_bucket", "vllm:num_requests_running"}
+    assert expected <= exported_names(text)
 
 
 def test_every_panel_has_queries_over_our_series():
@@ -33,7 +34,7 @@ def test_every_panel_has_queries_over_our_series():
                 continue  # vLLM's own; checked against a server's /metrics in test_server.py
             base = re.sub(r"_(total|bucket|sum|count)$", "", name)
             assert f'"{base}' in sources or f'"{name}' in sources or \
-                f'kvcache:tier_{{field}}' in sources and base.startswith("kvcache:tier_"), (title, name)
+                'kvcache:tier_{field}' in sources and base.startswith("kvcache:tier_"), (title, name)
     # each subject the issue names has a panel
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for subject in ("hit ratio", "tokens served per tier", "time to first token", "misses by cause",

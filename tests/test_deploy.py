@@ -103,7 +103,8 @@ def test_gpu_instances_get_an_ami_whose_driver_runs_the_image_cuda():
     assert variant["InferenceAmiVersion"] == dep.GPU_INFERENCE_AMI
     for itype in ("ml.p5.48xlarge", "ml.g6e.xlarge"):
         spec = dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, instance_type=itype)
-        assert dep.endpoint_config_request(spec, STAMP)["ProductionVariants"][0]["InferenceAmiVersion"] == dep.GPU_INFERENCE_AMI
+        variant = dep.endpoint_config_request(spec, STAMP)["ProductionVariants"][0]
+        assert variant["InferenceAmiVersion"] == dep.GPU_INFERENCE_AMI
     cpu = dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, instance_type="ml.m5.2xlarge")
     assert "InferenceAmiVersion" not in dep.endpoint_config_request(cpu, STAMP)["ProductionVariants"][0]
     with pytest.raises(ParamValidationError, match="InferenceAmiVersion"):
@@ -132,7 +133,8 @@ def test_curvine_conf_must_be_in_the_model_data(sm):
     spec = dep.EndpointSpec(**base, model_data_url="s3://bucket/models/m",
                             curvine_conf="/opt/ml/model/curvine/curvine-cluster.toml")
     built = dep.requests(spec, STAMP)
-    assert built["CreateModel"][1]["PrimaryContainer"]["Environment"]["KVCACHE_CURVINE_CONF"] == "curvine/curvine-cluster.toml"
+    environment = built["CreateModel"][1]["PrimaryContainer"]["Environment"]
+    assert environment["KVCACHE_CURVINE_CONF"] == "curvine/curvine-cluster.toml"
     assert built["HeadObject"] == ("s3", {"Bucket": "bucket", "Key": "models/m/curvine/curvine-cluster.toml"})
     s3 = client("s3")
     client_, stub = sm
@@ -252,7 +254,8 @@ class _Runtime(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).seen.append({"path": self.path, "body": body.decode(), **{k.lower(): v for k, v in self.headers.items()}})
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        type(self).seen.append({"path": self.path, "body": body.decode(), **headers})
         self.send_response(200)
         sid = self.headers.get("X-Amzn-SageMaker-Session-Id")
         kind = json.loads(body).get("requestType")
@@ -289,7 +292,8 @@ def test_invoke_opens_uses_and_closes_a_session_over_http():
     finally:
         server.shutdown()
     opened, first, second, closed, last = _Runtime.seen[-5:]
-    assert opened["path"] == "/endpoints/kv/invocations" and json.loads(opened["body"]) == {"requestType": "NEW_SESSION"}
+    assert opened["path"] == "/endpoints/kv/invocations"
+    assert json.loads(opened["body"]) == {"requestType": "NEW_SESSION"}
     assert opened["x-amzn-sagemaker-session-id"] == "NEW_SESSION"
     assert json.loads(first["body"]) == {"inputs": "hi"} and first["x-amzn-sagemaker-session-id"] == "sess-1"
     assert opened["x-amzn-sagemaker-prefix-aware-id"] == first["x-amzn-sagemaker-prefix-aware-id"] == "user-7"

@@ -46,13 +46,13 @@ class Disk:
         self.tier = FileTier(str(tmp_path / "disk"), "ns", 1 << 30, "disk", direct_reads=direct_reads)
         self.store = TieredStore([self.tier], NS, [LRUPolicy()])
         self.readers: list[str] = []
-        make = self.tier.direct._reader
+        make = self.tier.direct.open_reader
 
         def spy(fd, path):
             reader = make(fd, path)
             self.readers.append(type(reader).__name__)
             return reader
-        self.tier.direct._reader = spy
+        self.tier.direct.open_reader = spy
 
     def put(self, i: int, shape: tuple[int, ...]):
         """A stored entry of random bytes, dropped from the page cache (the test is
@@ -175,7 +175,7 @@ def test_a_reader_sharing_its_thread_window_rereads_after_another_used_it(disk):
     (k1, d1), (k2, d2) = disk.put(6, (2, 65536)), disk.put(7, (2, 65536))
     fds = [os.open(disk.tier.path(k), os.O_RDONLY) for k in (k1, k2)]
     try:
-        readers = [disk.tier.direct._reader(fd, disk.tier.path(k)) for fd, k in zip(fds, (k1, k2))]
+        readers = [disk.tier.direct.open_reader(fd, disk.tier.path(k)) for fd, k in zip(fds, (k1, k2))]
         assert all(isinstance(r, DirectReader) for r in readers)
         out = [bytearray(1000) for _ in range(4)]
         readers[0].readinto(memoryview(out[0]), 256)

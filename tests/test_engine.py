@@ -190,7 +190,8 @@ def two_engines(model_path, tmp):
         "cache": cache_spec(tmp, name, dram_size="0", disk=shared),
         "steps": [{"prompt_token_ids": own}, *salted, {"sleep": 1.0}, {"touch": str(mine)},
                   {"wait_for": str(theirs)}, {"prompt_token_ids": other}],
-    }) for (own, mine, theirs, other, name), salted in zip(specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}], []))]
+    }) for (own, mine, theirs, other, name), salted in zip(specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}],
+                                                                    []))]
     return [finish_engine(p) for p in procs]
 
 

@@ -6,8 +6,8 @@ model, LRU, no disk) and a shared ``file://`` tier, signed; its steps drive a hi
 each tier and the causes never_stored, recompute, not_admitted, evicted,
 shared_unreachable, unsigned and damaged (plus after_miss behind a failed chunk), and
 the guess oracle: a prompt another tenant stored is never_stored to a request of another
-salt or of none, exactly as a prompt nobody stored. The second has only a shared tier on a copy of the first's, with a link so
-slow that a publish is still running when the same prompt comes back (writing) and a
+salt or of none, exactly as a prompt nobody stored. The second has only a shared tier on a
+copy of the first's, with a link so slow that a publish is still running when the same prompt comes back (writing) and a
 read runs past its deadline (load_timeout). vLLM's own prefix cache is off so each
 repeat asks our tiers.
 """

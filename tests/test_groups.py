@@ -10,6 +10,9 @@ import torch
 
 from cache.assembly import build_tiers
 from cache.config import build_cache_config
+from cache.keys import Namespace
+from cache.policy import LRUPolicy
+from cache.store import TieredStore
 from cache.vllm.groups import (
     EntryKind,
     GroupLayout,
@@ -18,13 +21,10 @@ from cache.vllm.groups import (
     plan_hit,
     window_chunks,
 )
+from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.off import CacheOff
 from cache.vllm.scheduler import SchedulerSide
-from cache.keys import Namespace
-from cache.vllm.kv_copy import BlockCopier, KVLayout
-from cache.policy import LRUPolicy
-from cache.store import TieredStore
 
 B, C = 128, 256
 FULL = EntryKind("", (3,), ("l3",), (0,))

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from serving.app import create_app
-from serving.config import build_serving_config
 from serving.body import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, BodyError, parse_body
+from serving.config import build_serving_config
 from serving.machine import Machine
 from tests.test_serving_config import LLAMA3_8B
 
@@ -173,7 +173,7 @@ def model_script(tmp_path, monkeypatch):
     monkeypatch.setattr(SageMakerFunctionLoader, "_default_function_loader", None)  # the library caches it
     yield folder
     monkeypatch.delenv("SAGEMAKER_MODEL_PATH")
-    SageMakerFunctionLoader._default_function_loader = None
+    SageMakerFunctionLoader._default_function_loader = None  # noqa: SLF001 (the library's cache; no public reset)
     from model_hosting_container_standards.common.handler import handler_registry
 
     handler_registry.remove_handler("ping")   # the library keeps the override for every later app

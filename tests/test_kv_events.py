@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import pytest
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 
 from cache.vllm import events as ev
 from cache.vllm.events import TierEvents, chunk_blocks
@@ -34,7 +33,8 @@ def external(r, first: int, last: int) -> list:
 
 
 def chunks(n: int, size: int = 256):
-    return [SimpleNamespace(key=f"k{i}", start=i * size, end=min(n, (i + 1) * size)) for i in range((n + size - 1) // size)]
+    return [SimpleNamespace(key=f"k{i}", start=i * size, end=min(n, (i + 1) * size))
+            for i in range((n + size - 1) // size)]
 
 
 TOKENS = list(range(1, 700))  # two whole 256-token chunks and a 187-token tail (one full block)
@@ -108,8 +108,8 @@ def test_bounded_records_held_chunks_and_pending_events(monkeypatch):
     # the third held chunk pushed the first out, announced removed: a router under-credits
     assert [type(e).__name__ for e in out] == ["BlockStored", "BlockStored", "BlockStored", "BlockRemoved"]
     assert list(events.held["dram"]) == ["x1", "x2"]
-    for i in range(5):
-        events._emit(BlockRemoved(block_hashes=[], medium=None))
+    for _ in range(5):
+        events.emit(BlockRemoved(block_hashes=[], medium=None))
     assert len(events.take()) == 4 and events.dropped == 1
 
 

@@ -72,7 +72,8 @@ def test_each_layer_is_in_place_when_the_forward_pass_asks_for_it(tmp_path, tier
     side.wait_for_save(TieredKVMetadata())
     assert side.get_block_ids_with_load_errors() == set()
     samples = side.take_settled().samples
-    assert [s[:2] for s in samples if s[0] == "load"] == [("load", {"dram": "dram", "disk": "disk"}.get(tier, "shared"))]
+    source = {"dram": "dram", "disk": "disk"}.get(tier, "shared")
+    assert [s[:2] for s in samples if s[0] == "load"] == [("load", source)]
     assert side.store.stats.tiers[side.store.tier_names[-1 if tier == "shared" else 0]].hits == 3
     side.shutdown()
 
@@ -106,7 +107,7 @@ def test_layers_are_read_in_layer_order_across_chunks(tmp_path, monkeypatch):
 def test_a_damaged_layer_fails_its_chunk_and_every_later_one(tmp_path, tier):
     side, caches = worker(tmp_path, tier)
     bad = side.store.tiers[-1 if tier == "shared" else 0]
-    path = bad._path(KEYS[1]) if tier == "shared" else bad.path(KEYS[1])
+    path = bad.path(KEYS[1]) if tier == "shared" else bad.path(KEYS[1])
     with open(path, "r+b") as f:  # one byte of the last layer: found only once the whole entry is read
         f.seek(-3, 2)
         byte = f.read(1)
@@ -262,7 +263,7 @@ def test_a_transport_that_reads_whole_files_reads_each_entry_once(tmp_path, monk
     from cache.tiers.transport import CurvineOps
 
     side, caches = worker(tmp_path, "shared")
-    ops, reads = side.store.tiers[-1]._fs(), []
+    ops, reads = side.store.tiers[-1].ops(), []
 
     def whole_file(path, use):
         reads.append(path)

@@ -224,7 +224,7 @@ def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp
     s = shared_store(tmp_path, fs, dram)
     n = PIECE_BYTES * 3 + 5
     key, data = only_in_shared(s, n)
-    ops = s.tiers[-1]._fs()
+    ops = s.tiers[-1].ops()
     if transport == "whole-file":  # Curvine's SDK: whole files only
         monkeypatch.setattr(ops, "read_with", lambda path, use: CurvineOps.read_with(ops, path, use))
     whole_reads = []
@@ -245,7 +245,7 @@ def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp
 def test_a_damaged_shared_entry_is_ignored_not_deleted(tmp_path):
     s = shared_store(tmp_path)
     key, data = only_in_shared(s, 5000)
-    path = s.tiers[-1]._path(key)
+    path = s.tiers[-1].path(key)
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + 4000)
         byte = f.read(1)
@@ -310,7 +310,7 @@ def test_a_shared_read_writes_nothing_once_its_load_has_ended():
 def test_a_shared_read_past_the_tier_deadline_is_a_miss_and_writes_nothing_after(tmp_path, monkeypatch):
     s = shared_store(tmp_path, dram=False, timeout_s=0.2)
     key, data = only_in_shared(s, PIECE_BYTES * 2)
-    ops = s.tiers[-1]._fs()
+    ops = s.tiers[-1].ops()
     blocking, finished = [], threading.Event()
 
     def slow(path, use):

@@ -23,10 +23,10 @@ from cache.policy import (
     policy_names,
 )
 from cache.policy.classic import ARCPolicy, S3FIFOPolicy
-from cache.policy.experts import ARC, PrefixLRU, S3FIFO
-from cache.policy.sketch import FrequencySketch
+from cache.policy.experts import ARC, S3FIFO, PrefixLRU
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
 from cache.policy.prefix_adaptive import PrefixAdaptivePolicy
+from cache.policy.sketch import FrequencySketch
 from cache.tools.replay import Request, replay
 
 
@@ -430,7 +430,7 @@ def test_sampled_experts_stay_small_and_the_tier_still_follows_the_evidence():
     assert panel.rate <= 1 / 4 and panel.scap <= 128
     assert all(len(e) <= panel.scap for e in panel.experts)
     for e in panel.experts:                   # thinned: only sampled keys (stored + 1)
-        assert all(k <= panel.limit for k in e._s.key), e.name
+        assert all(k <= panel.limit for k in e.slot_keys()), e.name
     assert p.switches >= 1 and p.leader != "prefix-lru" and len(p) <= cap
     best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
     print(f"sampled at 1/{1 / panel.rate:.0f}: {ours:.4f}, best classic {best:.4f}")
@@ -545,7 +545,7 @@ def test_a_switch_undone_within_its_window_doubles_the_evidence_the_next_needs()
     panel.resize(1000, full=True)
 
     def batch(hits: Dict[int, int]) -> bool:
-        panel._batch = [hits.get(i, 0) for i in range(len(panel.experts))]
+        panel.batch = [hits.get(i, 0) for i in range(len(panel.experts))]
         panel.nacc = panel.BATCH
         return panel.weigh()
 

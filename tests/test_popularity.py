@@ -12,8 +12,17 @@ from collections import namedtuple
 import pytest
 
 from cache.keys import chunk_keys
-from cache.popularity import (HALF_LIFE_S, NOTE_MAX_AGE_S, Hot, Note, Popularity, Publisher, decode_note,
-                              encode_note, hottest)
+from cache.popularity import (
+    HALF_LIFE_S,
+    NOTE_MAX_AGE_S,
+    Hot,
+    Note,
+    Popularity,
+    Publisher,
+    decode_note,
+    encode_note,
+    hottest,
+)
 from cache.tiers.notes import list_notes, read_note, write_note
 from tests.test_shared_tier import remote
 from tests.test_tiers_store import NS

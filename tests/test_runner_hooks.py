@@ -189,7 +189,8 @@ def test_the_runner_code_replayed_here_is_where_these_tests_put_it():
     v1 = inspect.getsource(v1_runner.GPUModelRunner.execute_model)
     assert v1.index("handle_preemptions(") < v1.index("self._update_states(") < v1.index(
         "maybe_get_kv_connector_output(")
-    v1_writes = inspect.getsource(v1_runner.GPUModelRunner._update_states)
+    # vLLM's own runner code: where it writes KV blocks, which the fence must precede
+    v1_writes = inspect.getsource(v1_runner.GPUModelRunner._update_states)  # noqa: SLF001
     assert "_zero_block_ids(" in v1_writes and "copy_kv_cache_blocks_inplace(" in v1_writes
     v2 = inspect.getsource(v2_runner.GPUModelRunner.execute_model)
     assert v2.index("self.update_requests(") < v2.index("kv_connector.pre_forward(") < v2.index(

@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from pydantic import ValidationError
 
 from serving.errors import ClientError
@@ -958,7 +957,7 @@ def _while_draining(sent: float, request) -> httpx.Response | None:
         if late < DRAIN_SECONDS:
             raise
         warnings.warn(f"the client reached the server {late:.1f} s after SIGTERM, past its "
-                      f"{DRAIN_SECONDS} s drain deadline: the 503-while-draining check was not made")
+                      f"{DRAIN_SECONDS} s drain deadline: the 503-while-draining check was not made", stacklevel=2)
         return None
 
 

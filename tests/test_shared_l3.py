@@ -123,7 +123,8 @@ def test_warm_refuses_to_run_without_a_shared_tier(tmp_path):
     from cache.errors import ConfigError
     from cache.tools.warm import warm
 
-    config = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+    config = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+                                 "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
                                  "KVCACHE_DRAM_SIZE": "1MiB", "KVCACHE_DISK_SIZE": "1MiB"})
     with pytest.raises(ConfigError, match="KVCACHE_SHARED_URL"):
         warm(str(tmp_path / "none.jsonl"), "model", cache=connector_extra(config))

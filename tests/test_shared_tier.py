@@ -17,7 +17,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from cache.assembly import build_tiers, shared_tier, validate
-from cache.codec import decode, encode_header
+from cache.codec import UnsignedEntry, decode, encode_header
 from cache.config import CacheConfig
 from cache.errors import ConfigError
 from cache.keys import Namespace, chunk_keys
@@ -404,7 +404,7 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
     put_chain(a, keys)
     raw = open(l3 / "ns" / keys[0][:2] / keys[0], "rb").read()
     decode(raw, NS, keys[0], b"k1")                 # published signed
-    with pytest.raises(Exception):
+    with pytest.raises(UnsignedEntry, match="signature mismatch"):
         decode(raw, NS, keys[0], b"k2")
 
     b = node(remote(l3), key=b"k2")                 # a node with another key

@@ -173,7 +173,8 @@ def fake_engine(path: str):
     model = SimpleNamespace(model=path, revision=None, quantization=None, hf_config={"a": 1})
     vllm = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                                                pipeline_parallel_size=1),
-                           cache_config=SimpleNamespace(cache_dtype="auto"), load_config=SimpleNamespace(download_dir=None))
+                           cache_config=SimpleNamespace(cache_dtype="auto"),
+                           load_config=SimpleNamespace(download_dir=None))
     kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec="spec", layer_names=["l0"])])
     return vllm, kv
 

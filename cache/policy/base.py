@@ -40,9 +40,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from typing import Callable, ClassVar, ContextManager, Hashable, Iterable, Optional
+from typing import Callable, ContextManager, Generic, Hashable, Iterable, Optional, TypeVar
 
 Key = Hashable
+# A policy's key type: the store's chunk keys (str); the compact experts' int fingerprints.
+K = TypeVar("K", bound=Hashable)
 
 _UNLOCKED = nullcontext()
 
@@ -56,10 +58,10 @@ class Offer(enum.Enum):
     NOT_WRITTEN = "not written"    # the caller's write failed or did not publish
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[K]):
     """Decides which entry of one tier goes first, and whether a new one gets in."""
 
-    name: ClassVar[str] = "abstract"
+    name: str = "abstract"  # the registry's key (a class attribute; the rate oracle names each instance)
 
     def __init__(self, *, last_tier: bool = True) -> None:
         """``last_tier``: what this tier evicts or refuses is gone (a single tier, the last
@@ -68,39 +70,39 @@ class EvictionPolicy(ABC):
         self.last_tier = last_tier
 
     # ------------------------------------------------------------------ decisions
-    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+    def admit(self, key: K, parent: Optional[K], size: int) -> bool:
         """Whether the tier should store ``key`` at all. Default: take everything."""
         return True
 
     @abstractmethod
-    def victim(self) -> Optional[Key]:
+    def victim(self) -> Optional[K]:
         """The present key to evict next, or ``None`` when nothing is tracked."""
 
     # ---------------------------------------------------------------- bookkeeping
     @abstractmethod
-    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+    def insert(self, key: K, parent: Optional[K], size: int) -> None:
         """``key`` is now stored in the tier."""
 
     @abstractmethod
-    def touch(self, key: Key) -> None:
+    def touch(self, key: K) -> None:
         """``key`` was read (a hit)."""
 
     @abstractmethod
-    def remove(self, key: Key) -> None:
+    def remove(self, key: K) -> None:
         """``key`` is no longer stored (evicted or deleted elsewhere)."""
 
-    def seen(self, key: Key, parent: Optional[Key]) -> None:
+    def seen(self, key: K, parent: Optional[K]) -> None:
         """``key`` is stored, but its request computed it again because an earlier chunk
         missed: an access that was not a hit (history only). Default: ignore."""
 
-    def hint_upcoming(self, keys: Iterable[Key]) -> None:
+    def hint_upcoming(self, keys: Iterable[K]) -> None:
         """Keys that queued requests will need soon (protect them). Default: ignore.
 
         Call it with the keys of the requests waiting *now*; a call supersedes the
         previous one (a request that left the queue needs no protection any more)."""
 
     @abstractmethod
-    def __contains__(self, key: Key) -> bool: ...
+    def __contains__(self, key: K) -> bool: ...
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -108,11 +110,11 @@ class EvictionPolicy(ABC):
     # ------------------------------------------------------------------- the loop
     def offer(
         self,
-        key: Key,
-        parent: Optional[Key],
+        key: K,
+        parent: Optional[K],
         size: int,
         reserve: Callable[[], bool],
-        evict: Optional[Callable[[Key], None]] = None,
+        evict: Optional[Callable[[K], None]] = None,
         write: Optional[Callable[[], bool]] = None,
         lock: ContextManager = _UNLOCKED,
         rescan: Optional[Callable[[], None]] = None,
@@ -143,7 +145,7 @@ class EvictionPolicy(ABC):
             if victim is None and exhausted is not None and exhausted():
                 continue
             if victim is None:
-                if rescanned:
+                if rescanned or rescan is None:
                     return Offer.NO_ROOM
                 rescan()
                 rescanned = True

@@ -20,9 +20,10 @@ one hit, nothing is served wrongly).
 
 from __future__ import annotations
 
-from typing import Optional
+from array import array
+from typing import List, Optional
 
-from .base import EvictionPolicy, Key
+from .base import EvictionPolicy
 from .sketch import FrequencySketch
 from .slots import Slots
 
@@ -30,21 +31,29 @@ KEY_BITS = 62
 _MASK = (1 << KEY_BITS) - 1
 
 
-def _k(key: Key) -> int:
+def _k(key: int) -> int:
     return (key & _MASK) + 1        # 0 is "no key" in ``Slots``
 
 
-class Compact(EvictionPolicy):
+class Compact(EvictionPolicy[int]):
     """An expert in compact storage (``self._s``) that can shed keys in small steps
     (``thin``: what a miniature simulation does when its sampling rate drops)."""
+
+    _s: Slots                              # set by each expert
+    history: Optional[FrequencySketch]     # the admission filter's (``PrefixLRU``) only
+    capacity: int
 
     def rescale(self, factor: float) -> None:
         """The key space it sees shrank by ``factor``: scale what it learned in entries
         (default: nothing)."""
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: int) -> None:
         """Drop ``key`` entirely (ghost entries too): no trace of it is left."""
         self.remove(key)
+
+    def slot_keys(self) -> array:
+        """Each slot's key + 1 (0: a free slot), as stored."""
+        return self._s.key
 
     def thin(self, limit: int, start: int, steps: int) -> int:
         """Forget every key ``>= limit`` among slots ``start .. start + steps``; returns
@@ -88,13 +97,13 @@ class PrefixLRU(Compact):
         p = self._parent[slot]
         s.link_before(slot, p if p and s.linked(p) else self._LIST)
 
-    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+    def admit(self, key: int, parent: Optional[int], size: int) -> bool:
         self._evicted.clear()
         if not self.last_tier:
             return True
         k = _k(key)
         hist = self.history
-        if self._count:
+        if self._count and hist is not None:  # (counting needs a history)
             hist.add(key)
         if parent is not None:
             pk = _k(parent)
@@ -108,7 +117,7 @@ class PrefixLRU(Compact):
         self._refused = k               # a first sighting while full
         return False
 
-    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+    def insert(self, key: int, parent: Optional[int], size: int) -> None:
         s = self._s
         k = _k(key)
         slot = s.add(k)
@@ -123,9 +132,9 @@ class PrefixLRU(Compact):
         else:
             self._place(slot)
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: int) -> None:
         s = self._s
-        if self._count:
+        if self._count and self.history is not None:
             self.history.add(key)
         slot = s.find(_k(key))
         if slot:
@@ -133,7 +142,7 @@ class PrefixLRU(Compact):
             self._tag[slot] = 0
             self._place(slot)
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: int) -> None:
         s = self._s
         slot = s.find(_k(key))
         if not slot:
@@ -152,7 +161,7 @@ class PrefixLRU(Compact):
                     self._tag[p] = 0
                     s.link_head(p, self._LIST)      # a leaf again: next in line
 
-    def victim(self) -> Optional[Key]:
+    def victim(self) -> Optional[int]:
         s = self._s
         nchild = self._nchild
         while True:
@@ -164,11 +173,11 @@ class PrefixLRU(Compact):
             s.unlink(slot)                          # a parent goes after its children
             self._tag[slot] = self._PARKED
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: int) -> None:
         self.remove(key)
         self._evicted.clear()           # not an eviction: no orphan rule for it
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: int) -> bool:
         return self._s.find(_k(key)) > 0
 
     def __len__(self) -> int:
@@ -179,6 +188,9 @@ class _ListedSlots(Compact):
     """A policy whose slots sit in numbered lists (``self._s``), with each slot's list in
     ``self._where`` and each list's length in ``self._n``."""
 
+    _where: array
+    _n: List[int]
+
     def _move(self, slot: int, to: int) -> None:
         s, where, n = self._s, self._where, self._n
         s.unlink(slot)
@@ -187,7 +199,7 @@ class _ListedSlots(Compact):
         n[to] += 1
         s.link_before(slot, to)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: int) -> None:
         slot = self._s.find(_k(key))
         if slot:
             self._n[self._where[slot]] -= 1
@@ -209,7 +221,7 @@ class S3FIFO(_ListedSlots):
         self._n = [0, 0, 0, 0]          # slots per list
 
 
-    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+    def insert(self, key: int, parent: Optional[int], size: int) -> None:
         s = self._s
         k = _k(key)
         slot = s.find(k)
@@ -222,12 +234,12 @@ class S3FIFO(_ListedSlots):
             s.link_before(slot, self._SMALL)
         self._freq[slot] = 0
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: int) -> None:
         slot = self._s.find(_k(key))
         if slot and self._where[slot] != self._GHOST and self._freq[slot] < 3:
             self._freq[slot] += 1
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: int) -> None:
         s, n = self._s, self._n
         slot = s.find(_k(key))
         if not slot or self._where[slot] == self._GHOST:
@@ -242,7 +254,7 @@ class S3FIFO(_ListedSlots):
             n[self._GHOST] -= 1
             s.drop(s.first(self._GHOST))
 
-    def victim(self) -> Optional[Key]:
+    def victim(self) -> Optional[int]:
         s, n, freq = self._s, self._n, self._freq
         small, main = self._SMALL, self._MAIN
         while n[small] or n[main]:
@@ -261,7 +273,7 @@ class S3FIFO(_ListedSlots):
                 freq[slot] -= 1
         return None
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: int) -> bool:
         slot = self._s.find(_k(key))
         return slot > 0 and self._where[slot] != self._GHOST
 
@@ -296,7 +308,7 @@ class ARC(_ListedSlots):
         self._n[lst] -= 1
         self._s.drop(self._s.first(lst))
 
-    def admit(self, key: Key, parent: Optional[Key], size: int) -> bool:
+    def admit(self, key: int, parent: Optional[int], size: int) -> bool:
         n = self._n
         b1, b2 = n[self._B1], n[self._B2]
         self._incoming_in_b2 = False
@@ -310,7 +322,7 @@ class ARC(_ListedSlots):
                 self._incoming_in_b2 = True
         return True
 
-    def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
+    def insert(self, key: int, parent: Optional[int], size: int) -> None:
         s, n = self._s, self._n
         k = _k(key)
         slot = s.find(k)
@@ -324,12 +336,12 @@ class ARC(_ListedSlots):
         self._c = max(self._c, n[self._T1] + n[self._T2])
         self._trim_ghosts()
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: int) -> None:
         slot = self._s.find(_k(key))
         if slot and self._where[slot] in (self._T1, self._T2):
             self._move(slot, self._T2)
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: int) -> None:
         slot = self._s.find(_k(key))
         if not slot:
             return
@@ -342,7 +354,7 @@ class ARC(_ListedSlots):
             return
         self._trim_ghosts()
 
-    def victim(self) -> Optional[Key]:
+    def victim(self) -> Optional[int]:
         n, s = self._n, self._s
         t1 = n[self._T1]
         if t1 and (t1 > self._p or (self._incoming_in_b2 and t1 == int(self._p))
@@ -359,7 +371,7 @@ class ARC(_ListedSlots):
         while n[B2] and n[T1] + n[T2] + n[B1] + n[B2] > 2 * c:
             self._drop_first(B2)
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: int) -> bool:
         slot = self._s.find(_k(key))
         return slot > 0 and self._where[slot] in (self._T1, self._T2)
 

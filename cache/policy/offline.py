@@ -51,7 +51,7 @@ class BeladyPolicy(OfflinePolicy):
         nxt: List[List[Tuple[float, int]]] = [[] for _ in requests]
         for i in range(len(requests) - 1, -1, -1):
             row = nxt[i]
-            for p, key in enumerate(requests[i]):
+            for key in requests[i]:
                 row.append(last.get(key, (_NEVER, 0)))
             for p, key in enumerate(requests[i]):
                 last[key] = (i, p)
@@ -151,9 +151,9 @@ class RateOraclePolicy(OfflinePolicy):
         for key in first:               # dicts keep first-use order: parents come first
             until = last[key] if span else n
             rate = (uses[key] - 1) / max(1, until - first[key])
-            p = parent[key]
-            if p is not None and self._rank[p][0] < rate:
-                rate = self._rank[p][0]
+            par = parent[key]
+            if par is not None and self._rank[par][0] < rate:
+                rate = self._rank[par][0]
             self._rank[key] = (rate, -depth[key])
         self._last = last if span else None
         self._now = -1

@@ -84,7 +84,7 @@ import copy
 from typing import Callable, List, Optional
 
 from .base import EvictionPolicy
-from .experts import ARC, Compact, PrefixLRU, S3FIFO
+from .experts import ARC, S3FIFO, Compact, PrefixLRU
 from .sketch import FrequencySketch
 
 KEY_SPACE = 1 << 62              # fingerprints are 62-bit (``cache.policy.slots``)
@@ -127,7 +127,7 @@ class ExpertPanel:
         self._lanc = 0                           # its nearest sampled ancestor-or-self
         self._slast = 0                          # the last sampled access
         self._hit = [False] * k                  # each expert's verdict on it
-        self._batch = [0] * k                    # this batch's hits, per expert
+        self.batch = [0] * k                    # this batch's hits, per expert
         self._score = [0.0] * k                  # decayed sums of batch hits ...
         self._sq = [[0.0] * k for _ in range(k)]  # ... and of squared pairwise differences
         self.nacc = 0
@@ -162,7 +162,7 @@ class ExpertPanel:
         self.scap = cap if not self.shift else max(1, round(cap / (1 << self.shift)))
         self._bound = self.scap if full and not self._thinning else _UNBOUNDED
 
-    def detach_leader(self, history: FrequencySketch) -> EvictionPolicy:
+    def detach_leader(self, history: FrequencySketch) -> Compact:
         """The leader itself, which goes on at full scale as the tier's own policy; the
         panel keeps a copy of it, thinned to the sample like every other expert."""
         lead = self.experts[self.lead]
@@ -171,7 +171,7 @@ class ExpertPanel:
         self._room[self.lead] = self._room_for(clone)
         return lead
 
-    def make(self, i: int) -> EvictionPolicy:
+    def make(self, i: int) -> Compact:
         """A fresh, empty policy of expert ``i``'s kind, for a full-scale tier."""
         e = self.experts[i]
         if i == self.admission:
@@ -209,7 +209,7 @@ class ExpertPanel:
                 e.offer(k, parent, 1, room[i], evict=evict if i == lead else None)
             hit[i] = h
         self._slast = k
-        batch = self._batch
+        batch = self.batch
         for i in range(len(experts)):
             batch[i] += hit[i]
         self.nacc += 1
@@ -242,7 +242,7 @@ class ExpertPanel:
             self.backoff = max(1, self.backoff // 2)  # a calm window: halve back
             self._calm = 0
         decay = (1.0 - 1.0 / window) ** self.BATCH
-        b, score, sq = self._batch, self._score, self._sq
+        b, score, sq = self.batch, self._score, self._sq
         k = len(b)
         for i in range(k):
             score[i] = score[i] * decay + b[i]
@@ -250,7 +250,7 @@ class ExpertPanel:
             for j in range(i + 1, k):
                 d = b[i] - b[j]
                 row[j] = sq[j][i] = row[j] * decay + d * d
-        self._batch = [0] * k
+        self.batch = [0] * k
         lead = self.lead
         z = self.Z if self.shift else self.Z_EXACT
         best, best_by = -1, 0.0

@@ -65,6 +65,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional
 
 from .base import EvictionPolicy, Key
+from .experts import Compact
 from .panel import ExpertPanel
 from .sketch import FrequencySketch
 from .slots import Slots, fingerprint
@@ -85,9 +86,9 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         self._keys: List[Optional[Key]] = [None, None]   # the store's key objects, by slot
         self._hist = FrequencySketch(64, self.SKETCH_SAMPLE * 64)
         self.panel = ExpertPanel(last_tier=last_tier, history=self._hist)
-        self._actor: Optional[EvictionPolicy] = None  # the leader at full scale, once sampled
+        self._actor: Optional[Compact] = None  # the leader at full scale, once sampled
         self._ahit = False                         # its verdict on the last access
-        self._olds: List[EvictionPolicy] = []      # former actors, drained first
+        self._olds: List[Compact] = []      # former actors, drained first
         self._cap = 0
         self._full = False
         self._tick = 0
@@ -131,7 +132,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         else:
             held = k in a
             if not held:
-                migrate = self._olds and any(k in o for o in self._olds)
+                migrate = bool(self._olds) and any(k in o for o in self._olds)
                 a.offer(k, pk or None, 1, self._actor_room, evict=self._on_leader_evict)
                 held = migrate and k in a          # a former leader's chunk, used again:
             if held:                               # the new one learns it as a reuse
@@ -157,6 +158,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         leaders still hold part of a full tier, a new chunk displaces the colder (by
         the frequency sketch, as TinyLFU's duel) of their next victim and its own."""
         a = self._actor
+        assert a is not None  # (the reserve of the full-scale leader's own offers)
         if not self._full or len(a) >= self._cap:
             return not self._full
         if not self._olds or self._s.count < self._cap:
@@ -340,7 +342,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
                 self._drop_empty_olds()
                 continue
             slot = s.find(v)
-            if not slot or s.linked(slot) or v in self._actor:
+            if not slot or s.linked(slot) or (self._actor is not None and v in self._actor):
                 old.forget(v)                           # not the tier's to drain here
                 continue
             if not protect or protect.get(slot, -1) < tick:

@@ -165,6 +165,8 @@ class Slots:
 
     def _migrate(self, steps: int) -> None:
         old, cur = self._old, self._ocur
+        if old is None:
+            return
         end = min(len(old), cur + steps)
         for i in range(cur, end):
             s = old[i]

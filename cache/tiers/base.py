@@ -23,10 +23,13 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, TypeVar
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer  # (collections.abc.Buffer from Python 3.12)
+
     from cache.placed import Reader
+else:
+    Buffer = object  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
 T = TypeVar("T")
-Buffer = object  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
 
 class Tier(ABC):

@@ -119,14 +119,15 @@ class DirectReads:
         """The reader for the entry open at ``fd`` (``path``), for the ``with`` block: direct
         when enabled and the entry is not wholly in the page cache, else buffered. The
         caller closes ``fd``; the direct reader's own descriptor is closed on leaving."""
-        reader = self._reader(fd, path)
+        reader = self.open_reader(fd, path)
         try:
             yield reader
         finally:
             if isinstance(reader, DirectReader):
                 reader.close()
 
-    def _reader(self, fd: int, path: str) -> FdReader:
+    def open_reader(self, fd: int, path: str) -> FdReader:
+        """The reader ``reader`` yields, left open: the caller closes a ``DirectReader``."""
         if not self.enabled:
             return FdReader(fd)
         st = os.fstat(fd)

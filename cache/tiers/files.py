@@ -32,19 +32,20 @@ import mmap
 import os
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
 import numpy as np
 
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.direct import DirectReads
-from cache.tiers.layout import (LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path,
-                                this_host)
+from cache.tiers.layout import LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path, this_host
 
 _STALE_TMP_SECONDS = 600  # no entry write takes this long; older temp files are debris
 
 
 class FileTier(Tier):
+    capacity: int  # a local folder's bound, always set
+
     def __init__(
         self,
         root: str,
@@ -160,7 +161,8 @@ class FileTier(Tier):
                 return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                  prot=mmap.PROT_READ)
             buf = np.empty(size, dtype=np.uint8)
-            return buf[:read_into(fd, memoryview(buf))]
+            # (numpy's stubs give arrays the buffer protocol from Python 3.12 on only)
+            return cast(Buffer, buf[:read_into(fd, buf.data)])
         finally:
             os.close(fd)
 
@@ -183,7 +185,8 @@ class FileTier(Tier):
         tmp = None
         try:
             # The claim's file from ``reserve``, or (reserved without a key) a new one.
-            tmp, fd = self._claims.pop(key, None) or self._open_tmp(key, nbytes)
+            claim = self._claims.pop(key, None)
+            tmp, fd = claim if claim is not None else self._open_tmp(key, nbytes)
             try:
                 views = [memoryview(p).cast("B") for p in parts]
                 while views:

@@ -110,7 +110,8 @@ class SharedTier(Tier):
         self._pacer = pacer
 
     # -- calls (on the guard's threads) ---------------------------------------------
-    def _fs(self) -> FsOps:
+    def ops(self) -> FsOps:
+        """The backend's filesystem operations, opened on first use (on the guard's threads)."""
         if self._ops is None:
             with self._open_lock:
                 if self._ops is None:
@@ -121,9 +122,9 @@ class SharedTier(Tier):
         if op == "read_with":
             return self._read_with(*args)
         if self._pacer is None or op not in ("read", "write"):
-            return getattr(self._fs(), op)(*args)
+            return getattr(self.ops(), op)(*args)
         started = self._clock()
-        result = getattr(self._fs(), op)(*args)
+        result = getattr(self.ops(), op)(*args)
         self._pacer.take(len(result) if op == "read" else sum(memoryview(p).nbytes for p in args[1]), started)
         return result
 
@@ -132,7 +133,7 @@ class SharedTier(Tier):
         return self._guard.call(op, self._do, op, *args, timeout=timeout)
 
     # -- what this process knows -----------------------------------------------
-    def _path(self, key: str) -> str:
+    def path(self, key: str) -> str:
         return entry_path(self.folder, key)
 
     def _learn(self, key: str) -> None:
@@ -209,7 +210,7 @@ class SharedTier(Tier):
         try:
             for start in range(0, len(keys), WAVE):
                 wave = keys[start:start + WAVE]
-                futures = [self._guard.submit(self._do, "exists", self._path(k)) for k in wave]
+                futures = [self._guard.submit(self._do, "exists", self.path(k)) for k in wave]
                 deadline = time.monotonic() + self.timeout_s
                 present = [bool(self._guard.wait(f, "exists", deadline - time.monotonic())) for f in futures]
                 for k, p in zip(wave, present):
@@ -239,7 +240,7 @@ class SharedTier(Tier):
 
     def read(self, key: str) -> Buffer:
         try:
-            data = self.call("read", self._path(key))
+            data = self.call("read", self.path(key))
         except FileNotFoundError:
             self._forget(key)
             raise KeyError(key) from None
@@ -254,7 +255,7 @@ class SharedTier(Tier):
         about the entry or its caller (``CorruptEntry``, ``ValueError``, ``LoadEnded``)
         is raised here and does not count against the tier."""
         try:
-            result, refused = self.call("read_with", self._path(key), use)
+            result, refused = self.call("read_with", self.path(key), use)
         except FileNotFoundError:
             self._forget(key)
             raise KeyError(key) from None
@@ -275,13 +276,13 @@ class SharedTier(Tier):
 
         started = self._clock()
         try:
-            return self._fs().read_with(path, counted)
+            return self.ops().read_with(path, counted)
         finally:
             if self._pacer is not None and readers:
                 self._pacer.take(readers[0].nread, started)
 
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
-        final = self._path(key)
+        final = self.path(key)
         if self.call("exists", final):
             self._learn(key)
             return False
@@ -320,7 +321,7 @@ class SharedTier(Tier):
         self._guard.background(self._do, "remove", tmp)
 
     def delete(self, key: str) -> int:
-        path = self._path(key)
+        path = self.path(key)
         try:
             size = self.call("size", path)
             self.call("remove", path)
@@ -358,7 +359,7 @@ class SharedTier(Tier):
             if is_key(name):
                 entries.append((name, size))
             elif TMP_MARK in name and mtime and now - mtime > STALE_TMP_SECONDS:
-                self._discard(self._path(name))
+                self._discard(self.path(name))
         return entries
 
     # -- background listing -------------------------------------------------------

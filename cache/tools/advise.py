@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.cost import attention_pairs
@@ -44,8 +44,8 @@ class Rates:
 
     prefill_per_token: Optional[float] = None
     prefill_per_pair: float = 0.0
-    load_per_token: dict = None        # tier -> seconds per token loaded
-    load_latency: dict = None          # tier -> seconds per load
+    load_per_token: dict = field(default_factory=dict)  # tier -> seconds per token loaded
+    load_latency: dict = field(default_factory=dict)    # tier -> seconds per load
 
     def __post_init__(self) -> None:
         self.load_per_token = dict(self.load_per_token or {})
@@ -141,7 +141,7 @@ def from_metrics(text: str) -> tuple[dict, dict, Rates, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             tier = s.labels.get("tier")
-            key = None
+            key: Optional[tuple] = None
             if s.name == "kvcache:curve_hit_ratio" and s.labels.get("size") in SIZES:
                 key = ("curve", tier, s.labels["size"])
             elif s.name == "kvcache:tier_capacity_bytes" and s.value > 0:

@@ -190,7 +190,7 @@ def repair_local(config: CacheConfig, spec: TierSpec, rep: TierReport) -> None:
 
 
 def _file_tier(config: CacheConfig, spec: TierSpec, namespace: str) -> FileTier:
-    return next(t for t in build_tiers(config, namespace) if t.name == spec.name)
+    return next(t for t in build_tiers(config, namespace) if isinstance(t, FileTier) and t.name == spec.name)
 
 
 # -- the shared tier -----------------------------------------------------------------
@@ -277,9 +277,9 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
         if rep.pin_limit is not None:
             lines.append(f"  pins: {len(rep.pin_records)} live, {rep.pinned_bytes:,} bytes pinned of "
                          f"{rep.pin_limit:,} allowed (KVCACHE_PIN_MAX)")
-            for p in rep.pin_records:
-                lines.append(f"    {p['chunks']} chunks ({p['tokens']:,} tokens, {p['bytes']:,} bytes), expires "
-                             f"in {_age(p['expires_in_s'])}, namespace {', '.join(p['namespaces'])}")
+            for pin in rep.pin_records:
+                lines.append(f"    {pin['chunks']} chunks ({pin['tokens']:,} tokens, {pin['bytes']:,} bytes), expires "
+                             f"in {_age(pin['expires_in_s'])}, namespace {', '.join(pin['namespaces'])}")
         for r in rep.repaired:
             lines.append(f"  repaired: {r}")
     return "\n".join(lines)

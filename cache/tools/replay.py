@@ -32,13 +32,12 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from cache.curves import serve
 from cache.policy import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
 from cache.policy.offline import BeladyPolicy, OfflinePolicy, RateOraclePolicy
-from cache.tools.trace import (BLOCK_TOKENS, Request, capacity_for_fraction, distinct_blocks,
-                               load_trace)
+from cache.tools.trace import BLOCK_TOKENS, Request, capacity_for_fraction, load_trace
 from cache.tools.workloads import WORKLOADS, generate
 
 # Offline references, built with the whole trace: Belady knows when each block is used
@@ -147,7 +146,7 @@ def replay(
         hit_blocks += hits
     seconds = time.perf_counter() - t0
     return ReplayResult(
-        policy=name or getattr(policy, "name", type(policy).__name__),
+        policy=name or str(getattr(policy, "name", type(policy).__name__)),
         capacity_blocks=capacity_blocks,
         requests=n,
         hit_tokens=hit_tokens,

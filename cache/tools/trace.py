@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence
+from typing import Hashable, Iterable, List, Sequence
 
 BLOCK_TOKENS = 512
 
@@ -55,7 +55,7 @@ def block_tokens(request: Request) -> List[int]:
 
 
 def distinct_blocks(requests: Iterable[Request]) -> int:
-    seen = set()
+    seen: set[Hashable] = set()
     for r in requests:
         seen.update(r.hash_ids)
     return len(seen)

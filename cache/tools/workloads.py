@@ -95,8 +95,8 @@ class _Labels:
 
 def chat(seed: int = 0, scale: float = 1.0, *, sessions: int = 7400,
          sessions_per_s: float = 2.1, first_continue: float = 0.31, max_continue: float = 0.7,
-         think_s: float = 98.0, min_think_s: float = 25.0, system_blocks: int = 1, first_blocks: Tuple[float, float] = (11, 21),
-         turn_blocks: Tuple[float, float] = (2, 4), branch: float = 0.18,
+         think_s: float = 98.0, min_think_s: float = 25.0, system_blocks: int = 1,
+         first_blocks: Tuple[float, float] = (11, 21), turn_blocks: Tuple[float, float] = (2, 4), branch: float = 0.18,
          max_blocks: int = 256) -> List[Request]:
     """Multi-turn conversations (defaults: calibrated on Mooncake's conversation trace).
 
@@ -190,7 +190,7 @@ def rag(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int =
     system = [("system", j) for j in range(system_blocks)]
 
     def prefix(d: int) -> List[Hashable]:
-        out = list(system)
+        out: List[Hashable] = list(system)
         for doc in [d] + follow[d]:
             out += [("doc", doc, j) for j in range(length[doc])]
         return out

@@ -62,6 +62,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from cache.popularity import Publisher
+    from cache.vllm.events import TierEvents
+    from cache.vllm.scheduler import SchedulerSide
+    from cache.vllm.worker import WorkerSide
+
 log = logging.getLogger("cache.vllm.connector")
 
 
@@ -95,10 +100,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         check_block_size(config, block_size)
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        self.scheduler_side = self.worker_side = None
+        # The role's side: one of the two, or CacheOff for both when the cache is off.
+        self.scheduler_side: Optional[SchedulerSide | CacheOff] = None
+        self.worker_side: Optional[WorkerSide | CacheOff] = None
         self._fence_after_save = False
-        self.kv_events = None  # the tiers' KV events for routers (cache.vllm.events), when vLLM publishes
-        self.popularity = None  # the publisher of this node's popularity note (cache.popularity)
+        # The tiers' KV events for routers (cache.vllm.events), when vLLM publishes them.
+        self.kv_events: Optional[TierEvents] = None
+        self.popularity: Optional[Publisher] = None  # this node's popularity note's publisher
         # Which KV cache groups are stored how (groups.py), the same in every process.
         layout = group_layout(kv_cache_config, block_size)
         off_reason = context_parallel_reason(parallel, block_size) or layout.off_reason
@@ -124,13 +132,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
             pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
             popularity = Popularity() if config.has_shared else None
-            self.scheduler_side = SchedulerSide(config, namespaces, block_size,
-                                                lambda: self._kv_cache_manager, layout,
-                                                vllm_config.cache_config.prefix_cache_retention_interval,
-                                                bytes_per_block(kv_cache_config), pinner,
-                                                tier_curves(config, entry_bytes * world), popularity)
+            self.scheduler_side = side = SchedulerSide(config, namespaces, block_size,
+                                                       lambda: self._kv_cache_manager, layout,
+                                                       vllm_config.cache_config.prefix_cache_retention_interval,
+                                                       bytes_per_block(kv_cache_config), pinner,
+                                                       tier_curves(config, entry_bytes * world), popularity)
             if popularity is not None:  # this node's popularity note, in every rank's shared folder
-                self.popularity = Publisher(popularity, [v.shared for v in self.scheduler_side.views])
+                self.popularity = Publisher(popularity, [v.shared for v in side.views])
                 self.popularity.start()
             log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
                      "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
@@ -141,7 +149,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             from cache.vllm.events import tier_events
 
             self.kv_events = tier_events(vllm_config, config, namespaces[0].id, world, layout.hybrid,
-                                         self.scheduler_side.views[0])
+                                         side.views[0])
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -159,17 +167,29 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvcache: vLLM model runner %s", "V2" if self._fence_after_save else "V1")
 
     @property
+    def _worker(self) -> WorkerSide | CacheOff:
+        if self.worker_side is None:
+            raise RuntimeError("kvcache: a worker hook was called on the scheduler's connector")
+        return self.worker_side
+
+    @property
+    def _scheduler(self) -> SchedulerSide | CacheOff:
+        if self.scheduler_side is None:
+            raise RuntimeError("kvcache: a scheduler hook was called on a worker's connector")
+        return self.scheduler_side
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped save is a future miss
 
     # -- worker role -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        self.worker_side.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # V1: first in the step, before vLLM writes KV blocks (zeroing, copy-on-write
         # copies); earlier saves' copies must be done reading blocks it may reuse.
-        self.worker_side.fence()
+        self._worker.fence()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -180,7 +200,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredKVMetadata)
-        self.worker_side.start_load_kv(meta)
+        self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Layer-wise loads (cache.vllm.layered); other loads finished in start_load_kv
@@ -195,21 +215,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, TieredKVMetadata)
-            self.worker_side.wait_for_save(meta)
+            self._worker.wait_for_save(meta)
         if self._fence_after_save:  # V2: the last hook before the next step writes KV blocks
-            self.worker_side.fence()
+            self._worker.fence()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # What vLLM 0.32 asks (both model runners; never get_finished). Hybrid models' load
         # failures are per request (vLLM recomputes those requests), reported finished too.
-        done, failed = self.worker_side.take_transfer_results()
+        done, failed = self._worker.take_transfer_results()
         return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.get_block_ids_with_load_errors()
+        return self._worker.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self):
-        return self.worker_side.take_settled()
+        return self._worker.take_settled()
 
     def get_kv_connector_stats(self):
         side = self.worker_side if self.worker_side is not None else self.scheduler_side
@@ -240,47 +260,54 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler role ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        found = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
-        state = self.kv_events and self.scheduler_side.requests.get(request.request_id)
-        if state:  # the request's chunks, for the events of the tiers that will store them
-            self.kv_events.seen(request, state.chunks)
+        side = self._scheduler
+        found = side.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.kv_events is not None and not isinstance(side, CacheOff):
+            state = side.requests.get(request.request_id)
+            if state:  # the request's chunks, for the events of the tiers that will store them
+                self.kv_events.seen(request, state.chunks)
         return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         # vllm:prompt_tokens_cached_by_source: where the tokens of the load just planned come from
-        return hit_sources(self.scheduler_side.planned_tokens(request.request_id), num_external_tokens)
+        return hit_sources(self._scheduler.planned_tokens(request.request_id), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.scheduler_side.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
         # The chunk events first: a failed load is explained by what its step reported.
+        side = self._scheduler
+        if isinstance(side, CacheOff):
+            return  # nothing was loaded or saved
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(worker_meta, TieredKVWorkerMetadata):
-            self.scheduler_side.explain.worker_events(worker_meta.events)
+        if not isinstance(worker_meta, TieredKVWorkerMetadata):
+            worker_meta = None
+        if worker_meta is not None:
+            side.explain.worker_events(worker_meta.events)
         if connector_output.invalid_block_ids:
-            self.scheduler_side.loads_failed(set(connector_output.invalid_block_ids))
+            side.loads_failed(set(connector_output.invalid_block_ids))
         if getattr(connector_output, "failed_recving", None):
-            self.scheduler_side.requests_failed(set(connector_output.failed_recving))
-        if isinstance(worker_meta, TieredKVWorkerMetadata):
-            self.scheduler_side.saves_settled(worker_meta.settled)
-            self.scheduler_side.planner.observe(worker_meta.samples)
+            side.requests_failed(set(connector_output.failed_recving))
+        if worker_meta is not None:
+            side.saves_settled(worker_meta.settled)
+            side.planner.observe(worker_meta.samples)
             if self.kv_events is not None:
                 self.kv_events.apply(worker_meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        why = self.scheduler_side.explain_finished(request)
+        why = self._scheduler.explain_finished(request)
         if self.kv_events is not None:
             self.kv_events.finished(request.request_id)
-        loaded = self.scheduler_side.request_finished(request)
+        loaded = self._scheduler.request_finished(request)
         pinner = getattr(self.scheduler_side, "pinner", None)
         pin = pinner.finished(request) if pinner is not None else None
         # Shown in the request's output (kv_transfer_params): tokens loaded per tier,
         # where each prompt token's KV came from or why it was computed, and its pin.
-        params = {"kvcache_explain": why} if why else {}
+        params: dict[str, Any] = {"kvcache_explain": why} if why else {}
         if loaded:
             params["kvcache_loaded_tokens"] = loaded
         if pin:

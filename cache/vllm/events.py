@@ -198,17 +198,18 @@ class TierEvents:
             event = BlockStored(block_hashes=known[0], parent_block_hash=known[1], token_ids=[],
                                 block_size=self.block_size, lora_id=None, medium=MEDIUM[tier], lora_name=None,
                                 group_idx=0, locality=LOCALITY[tier], ownership=tier)
-        self._emit(event)
+        self.emit(event)
         if len(held) > MAX_HELD:
             self._removed(tier, next(iter(held)))
 
     def _removed(self, tier: str, key: str) -> None:
         known = self.held[tier].pop(key, None)
         if known is not None:
-            self._emit(BlockRemoved(block_hashes=known[0], medium=MEDIUM[tier], group_idx=0,
+            self.emit(BlockRemoved(block_hashes=known[0], medium=MEDIUM[tier], group_idx=0,
                                     locality=LOCALITY[tier], ownership=tier))
 
-    def _emit(self, event) -> None:
+    def emit(self, event) -> None:
+        """Queue ``event`` for vLLM's next ``take``; beyond ``MAX_PENDING`` it is dropped (counted)."""
         if len(self.pending) >= MAX_PENDING:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 10000 == 0:
@@ -264,17 +265,20 @@ class TierEvents:
 
     def _write(self) -> None:
         self._dirty.clear()
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
         held = {tier: list(entries.items()) for tier, entries in self.held.items()}  # (each copy is atomic)
         recent = list(self.recent.items())
         data = {"block_size": self.block_size,
                 "tiers": {t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items]
                           for t, items in held.items()},
                 "recent": [[k, [_hex(h) for h in b.hashes], _hex(b.parent)] for k, b in recent]}
-        tmp = f"{self._snapshot}.tmp-{os.getpid()}"
+        tmp = f"{snapshot}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
                 json.dump(data, f)
-            os.replace(tmp, self._snapshot)
+            os.replace(tmp, snapshot)
         except OSError as e:
             log.warning("kvcache: KV events snapshot %s not written: %s", self._snapshot, e)
 

@@ -137,7 +137,7 @@ class GroupLayout:
             return f"off ({self.off_reason})"
         parts = []
         for k in self.kinds:
-            what = "full attention" if k.full else f"sliding window {k.reach + 1}"
+            what = "full attention" if k.full or k.reach is None else f"sliding window {k.reach + 1}"
             parts.append(f"{len(k.layer_names)} layers {what} ({len(k.group_ids)} groups)")
         return "; ".join(parts)
 

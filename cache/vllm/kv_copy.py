@@ -43,6 +43,7 @@ On the CPU every copy is done when the method returns.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Callable, Optional, Sequence
@@ -125,7 +126,7 @@ class BlockCopier:
         self._stream = streams.new_stream() if streams is not None else None
         self._lock = threading.Lock()  # one copy's launches at a time on the stream
         self._last = None  # event: end of the last gather not yet fenced
-        self._bytes = None  # ``place``: each layer's memory as a numpy byte array
+        self._bytes: Optional[list] = None  # ``place``: each layer's memory as a numpy byte array
 
     @property
     def placeable(self) -> bool:
@@ -146,7 +147,7 @@ class BlockCopier:
         held = check_entry(self.layout, dtype, shape, skip_blocks + n)
         block_bytes = self.layout.block_bytes()
         spare = held - n
-        scratch = memoryview(bytearray(block_bytes * max(skip_blocks, spare - skip_blocks))) if spare else None
+        scratch = memoryview(bytearray(block_bytes * max(skip_blocks, spare - skip_blocks)))  # (empty: none spare)
         runs = _runs(block_ids)
         if self._bytes is None:  # each layer's tensor as bytes, made once
             self._bytes = [t.view(-1).view(torch.uint8).numpy() for t in self._layers]
@@ -223,8 +224,10 @@ class BlockCopier:
         words = self.layout.entry_words(host, writable=True)
         if not self.cuda:
             self._cpu_copy(block_ids, words, into_cache=False)
-            pool = self.staging
-            return Gathered(host, _done, (lambda: pool.release(slot)) if slot is not None else _done)
+            pool, release = self.staging, _done
+            if slot is not None and pool is not None:
+                release = functools.partial(pool.release, slot)
+            return Gathered(host, _done, release)
         s = self.streams
         order = s.mark(s.current())  # the compute stream: taken before ours becomes current
         with self._lock, s.using(self._stream):
@@ -242,7 +245,8 @@ class BlockCopier:
             s.synchronize(done)
 
         pool = self.staging
-        return Gathered(host, wait, (lambda: pool.release(slot, after=done)) if slot is not None else _done)
+        return Gathered(host, wait,
+                        (lambda: pool.release(slot, after=done)) if slot is not None and pool is not None else _done)
 
     def fence(self) -> None:
         """Make the calling thread's (compute) stream wait for the gathers issued since
@@ -300,7 +304,7 @@ class BlockCopier:
             for i, cache in enumerate(self.caches):
                 cache.index_copy_(0, idx[i], dev[i])
             done = s.mark(self._stream)
-        if slot is not None:
+        if slot is not None and self.staging is not None:  # (a slot is the pool's)
             self.staging.release(slot, after=done)
         if after is None:
             s.wait(s.current(), done)  # the forward pass reads the blocks after the copy

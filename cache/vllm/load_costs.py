@@ -56,7 +56,7 @@ class LoadCosts:
             self.events.end()
             return
         began, self._began = self._began, None
-        if began is None:
+        if began is None or self._compute is None:  # (began is set only with a compute)
             return
         seconds = time.perf_counter() - began - self._loading
         with self._lock:

@@ -102,7 +102,7 @@ PLAN_COUNTERS = {
 
 class TieredKVStats(KVConnectorStats):
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "TieredKVStats":
         for k, v in other.data.items():

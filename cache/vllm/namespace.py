@@ -43,7 +43,8 @@ def engine_namespace(vllm_config, kv_cache_config, chunk_tokens: int, rank: int,
         kv_layout = repr(groups[0].kv_cache_spec)
     else:  # hybrid: every group's layers and spec (cache.vllm.groups)
         kv_layout = ";".join(f"{list(g.layer_names)}={g.kv_cache_spec!r}" for g in groups)
-    hf = model.hf_config.to_json_string(use_diff=False) if hasattr(model.hf_config, "to_json_string") else repr(model.hf_config)
+    hf_config = model.hf_config
+    hf = hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string") else repr(hf_config)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(hf.encode())
     digest.update(f"revision={model.revision};quant={model.quantization};weights={weights}".encode())

@@ -47,9 +47,10 @@ def enable_cpu_amx() -> bool:
     try:
         import torch
 
-        if not torch.cpu._is_amx_tile_supported():
+        # torch has no public call for either (vLLM's CPU attention calls the first too).
+        if not torch.cpu._is_amx_tile_supported():  # noqa: SLF001
             return False
-        granted = bool(torch._C._cpu._init_amx())
+        granted = bool(torch._C._cpu._init_amx())  # noqa: SLF001
     except (ImportError, AttributeError, RuntimeError) as e:  # old torch, no CPU module
         log.debug("kvcache: AMX permission not requested: %s", e)
         return False
@@ -69,7 +70,7 @@ def die_with_parent(parent_pid: Optional[int] = None) -> bool:
     already gone (it died before the request could be made)."""
     if parent_pid is None:
         parent = multiprocessing.parent_process()
-        if parent is None:
+        if parent is None or parent.pid is None:
             return False
         parent_pid = parent.pid
     if not sys.platform.startswith("linux"):

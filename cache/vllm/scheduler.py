@@ -43,8 +43,8 @@ from cache.assembly import lookup_view
 from cache.config import CacheConfig
 from cache.curves import Curves
 from cache.explain import Explainer, Lookup
-from cache.popularity import Popularity
 from cache.keys import Namespace, prompt_chunks
+from cache.popularity import Popularity
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
 from cache.vllm.hits import entry, find_hit, plan_loads
@@ -185,7 +185,7 @@ class SchedulerSide:
         st.pending_load = None
         if self.pinner is not None:
             self.pinner.offer(request, st.chunks, st.n_tokens)
-        if not request_wants(request, LOAD) or getattr(request, "skip_reading_prefix_cache", False):  # (prompt_logprobs)
+        if not request_wants(request, LOAD) or getattr(request, "skip_reading_prefix_cache", False):  # prompt_logprobs
             st.why = self._looked_up(st, num_computed_tokens, [], load=False)
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
@@ -196,8 +196,8 @@ class SchedulerSide:
         st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
-            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]]
-                                              + [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]))
+            loads = [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
+            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]] + loads))
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
             self._plan_window_saves(st)
@@ -314,7 +314,7 @@ class SchedulerSide:
             if st is None or not st.chunks or not request_wants(st.request, SAVE):
                 continue
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
-            block_ids = null = None
+            block_ids, null = None, 0  # (both fetched at the first save)
             while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
                 i = st.next_save
                 c = st.chunks[i]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -55,7 +55,7 @@ class StagingPool:
     """``slots`` buffers of ``slot_bytes`` each, in one allocation made here."""
 
     def __init__(self, slot_bytes: int, slots: int, pin: bool = False,
-                 happened: Optional[Callable[[object], bool]] = None) -> None:
+                 happened: Optional[Callable[[Any], bool]] = None) -> None:
         if slot_bytes <= 0 or slots <= 0:
             raise ValueError(f"a staging pool needs slots ({slots}) of some bytes ({slot_bytes})")
         self.slot_bytes, self.slots, self.pinned = slot_bytes, slots, pin
