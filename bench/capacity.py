@@ -174,12 +174,15 @@ METHOD = (
 def summary(result: dict) -> str:
     """The short summary for bench/README.md."""
     run = result["run"]
-    lines = [f"Users at TTFT p90 <= {run['slo_s']:g} s ({run['scale']}; "
+    slos = run.get("slos", [run["slo_s"]])
+    lines = [f"Users served at a TTFT p90 SLO ({run['scale']}; "
              "[bench/results/capacity.md](results/capacity.md), [plot](results/capacity.png)):", "",
-             "| workload | " + " | ".join(run["configs"]) + " |", "| --- |" + " ---: |" * len(run["configs"])]
+             "| workload | SLO | " + " | ".join(run["configs"]) + " |", "| --- | --- |" + " ---: |" * len(run["configs"])]
     for wname, configs in result["workloads"].items():
-        cells = [stats.slo_text(configs[c]["users_at_slo"]) if c in configs else "–" for c in run["configs"]]
-        lines.append(f"| {wname} | " + " | ".join(cells) + " |")
+        for x in slos:
+            cells = [stats.slo_text(stats.users_at_slo(configs[c]["points"], x)) if c in configs else "–"
+                     for c in run["configs"]]
+            lines.append(f"| {wname} | p90 <= {x:g} s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -190,7 +193,8 @@ def parse(argv=None):
     p.add_argument("--users", default=None, help="the sweep's user counts (default 8,16,32)")
     p.add_argument("--duration", type=float, default=None, help="seconds per sweep point (default 20)")
     p.add_argument("--think-s", type=float, default=None, help="think time (default: the workload's)")
-    p.add_argument("--slo", type=float, default=2.0, help="TTFT p90 SLO in seconds")
+    p.add_argument("--slo", default="2", help="TTFT p90 SLO in seconds; more, comma-separated, add columns")
+    p.add_argument("--render", type=Path, help="rewrite the report, plot and summary from a saved JSON")
     p.add_argument("--l0-tokens", type=int, default=32768, help="vLLM's own prefix cache, tokens")
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens")
     p.add_argument("--quick", action="store_true",
@@ -212,17 +216,42 @@ def parse(argv=None):
     args.users = sorted({int(u) for u in args.users.split(",")})
     if not args.users or args.users[0] < 1 or args.duration <= 0:
         p.error("--users must be positive integers and --duration > 0")
+    args.slos = [float(x) for x in args.slo.split(",")]
+    args.slo = args.slos[0]
     args.salt = f"{time.time_ns():x}"
     return args
 
 
+def write(result: dict, out: Path, failed: list[str], workdir: Path) -> None:
+    """capacity.json, .md, .png under ``out``; the summary in bench/README.md when ``out``
+    is bench/results."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(result, indent=1))
+    text = stats.report(result)
+    if failed:
+        text += f"\nFailed to run: {', '.join(failed)} (logs under {workdir}).\n"
+    (out / "capacity.md").write_text(text)
+    if result["workloads"]:
+        stats.plot(result, out / "capacity.png")
+    print(text)
+    if out.resolve() == RESULTS.resolve() and result["workloads"]:
+        from bench.readme import replace_section
+
+        replace_section("capacity", summary(result))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        result["run"].update(slo_s=args.slo, slos=args.slos)
+        write(result, args.out, [], args.workdir)
+        return 0
     scale = (f"workloads {','.join(args.workloads)}; configurations {','.join(args.configs)}; users "
              f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
              f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
              f"(limit {args.limit_tokens:,}); {os.cpu_count()} CPUs")
-    result = {"run": {"scale": scale, "method": METHOD, "slo_s": args.slo, "configs": args.configs,
+    result = {"run": {"scale": scale, "method": METHOD, "slo_s": args.slo, "slos": args.slos, "configs": args.configs,
                       "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
               "configs": {}, "workloads": {}}
     failed = []
@@ -236,19 +265,7 @@ def main(argv=None) -> int:
         result["configs"][config] = {k: v for k, v in c.items() if k != "workloads"}
         for wname, w in c["workloads"].items():
             result["workloads"].setdefault(wname, {})[config] = w
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "capacity.json").write_text(json.dumps(result, indent=1))
-    text = stats.report(result)
-    if failed:
-        text += f"\nFailed to run: {', '.join(failed)} (logs under {args.workdir}).\n"
-    (args.out / "capacity.md").write_text(text)
-    if result["workloads"]:
-        stats.plot(result, args.out / "capacity.png")
-    print(text)
-    if args.out.resolve() == RESULTS.resolve() and result["workloads"]:
-        from bench.readme import replace_section
-
-        replace_section("capacity", summary(result))
+    write(result, args.out, failed, args.workdir)
     finished = sum(p["turns"] for w in result["workloads"].values() for c in w.values() for p in c["points"].values())
     return 1 if failed or not finished else 0
 

@@ -78,6 +78,7 @@ def users_at_slo(points: dict[int, dict], slo_s: float, key: str = "ttft_p90") -
     below which every point meets it (``served``), ``bound`` ``">="`` when even the largest
     meets it and ``"<"`` when the smallest does not, and an estimate interpolated linearly
     between the last point that meets it and the first that does not."""
+    points = {int(u): p for u, p in points.items()}   # keys are strings after a JSON round trip
     users = sorted(points)
     served = None
     for u in users:
@@ -114,10 +115,12 @@ def report(result: dict) -> str:
     out = [f"# Capacity: users at a TTFT SLO", "",
            f"Scale run: {run['scale']}.", "", run["method"], ""]
     for wname, configs in result["workloads"].items():
-        out += [f"## {wname}", "", f"Users at TTFT p90 <= {run['slo_s']:g} s:", "",
-                "| configuration | users at SLO |", "| --- | --- |"]
+        slos = run.get("slos", [run["slo_s"]])
+        out += [f"## {wname}", "", "Users at a TTFT p90 SLO:", "",
+                "| configuration | " + " | ".join(f"p90 <= {x:g} s" for x in slos) + " |",
+                "| --- |" + " --- |" * len(slos)]
         for cname, c in configs.items():
-            out.append(f"| {cname} | {slo_text(c['users_at_slo'])} |")
+            out.append(f"| {cname} | " + " | ".join(slo_text(users_at_slo(c["points"], x)) for x in slos) + " |")
         out += ["", "| configuration | users | TTFT p50 s | p90 s | p99 s | ITL p50 ms | ITL p90 ms | turns/min "
                 "| turns (failed, short) | prompt tokens | computed | L0 hit | loaded dram | disk | shared |",
                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

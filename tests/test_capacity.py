@@ -195,10 +195,13 @@ def test_a_failed_turn_drops_the_conversation():
 
 def test_summary_table_names_each_configuration():
     pts = {4: {"ttft_p90": 0.5}, 8: {"ttft_p90": 3.0}}
-    result = {"run": {"slo_s": 2.0, "scale": "tiny", "configs": ["vllm-alone", "ours"]},
-              "workloads": {"chat": {"vllm-alone": {"users_at_slo": stats.users_at_slo(pts, 2.0)}}}}
+    result = {"run": {"slo_s": 2.0, "slos": [2.0, 0.4], "scale": "tiny", "configs": ["vllm-alone", "ours"]},
+              "workloads": {"chat": {"vllm-alone": {"points": pts}}}}
     text = capacity.summary(result)
-    assert "| chat | 4 (≈6) | – |" in text and "| workload | vllm-alone | ours |" in text
+    assert "| workload | SLO | vllm-alone | ours |" in text
+    assert "| chat | p90 <= 2 s | 4 (≈6) | – |" in text and "| chat | p90 <= 0.4 s | < 4 | – |" in text
+    # after a JSON round trip the user counts are strings: still ordered as numbers
+    assert stats.users_at_slo(json.loads(json.dumps({8: pts[8], 16: {"ttft_p90": 1.0}, 4: pts[4]})), 2.0)["served"] == 4
 
 
 def test_parse_refuses_unknown_names():
