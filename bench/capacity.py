@@ -51,7 +51,7 @@ CONFIGS = {
     "ours": ("ours, DRAM 2 GiB + disk 8 GiB, L0 small", {"KVCACHE_DRAM_SIZE": "2GiB", "KVCACHE_DISK_SIZE": "8GiB"}),
     "ours-disk": ("ours, disk 8 GiB only, L0 small", {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "8GiB"}),
     "ours-shared": ("ours, shared tier only (a local folder as KVCACHE_SHARED_URL, read at 1.8 GB/s), L0 small",
-                    {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_SHARED_BANDWIDTH": "1.8e9"}),
+                    {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_SHARED_BANDWIDTH": "1800MB"}),
     "limit": ("the limit: vLLM alone, L0 holding everything", {"KVCACHE_ENABLED": "false"}),
 }
 
