@@ -115,7 +115,9 @@ def tier_hits(url: str) -> dict:
     return dict(out)
 
 
-def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, overrides: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m serving`` on the generated model, logs in ``tmp/server.log``; ``overrides``:
+    settings replacing the soak's (``bench.capacity`` uses its own)."""
     from serving.default_model import ensure_model
 
     model = ensure_model(REPO / ".models" / "test-llama")
@@ -130,6 +132,7 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
                 "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
                 # vLLM's own prefix cache off: a shared prefix must come from our tiers
                 "SM_VLLM_ENABLE_PREFIX_CACHING": "false"})
+    env.update(overrides or {})
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
