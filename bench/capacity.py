@@ -103,6 +103,7 @@ async def user(session, url: str, model: str, wl: Workload, uid: int, salt: str,
 
 async def sweep_point(url: str, model: str, wl: Workload, users: int, duration: float, salt: str) -> dict:
     import aiohttp
+
     # vLLM's request function: imported before the clock starts (importing vLLM takes seconds)
     from vllm.benchmarks.lib.endpoint_request_func import async_request_openai_completions  # noqa: F401
 
@@ -177,7 +178,8 @@ def summary(result: dict) -> str:
     slos = run.get("slos", [run["slo_s"]])
     lines = [f"Users served at a TTFT p90 SLO ({run['scale']}; "
              "[bench/results/capacity.md](results/capacity.md), [plot](results/capacity.png)):", "",
-             "| workload | SLO | " + " | ".join(run["configs"]) + " |", "| --- | --- |" + " ---: |" * len(run["configs"])]
+             "| workload | SLO | " + " | ".join(run["configs"]) + " |",
+             "| --- | --- |" + " ---: |" * len(run["configs"])]
     for wname, configs in result["workloads"].items():
         for x in slos:
             cells = [stats.slo_text(stats.users_at_slo(configs[c]["points"], x)) if c in configs else "–"

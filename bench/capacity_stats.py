@@ -112,7 +112,7 @@ def slo_text(s: dict) -> str:
 def report(result: dict) -> str:
     """The markdown report of a whole run (``result``: what ``bench.capacity`` saves)."""
     run = result["run"]
-    out = [f"# Capacity: users at a TTFT SLO", "",
+    out = ["# Capacity: users at a TTFT SLO", "",
            f"Scale run: {run['scale']}.", "", run["method"], ""]
     for wname, configs in result["workloads"].items():
         slos = run.get("slos", [run["slo_s"]])
@@ -123,7 +123,7 @@ def report(result: dict) -> str:
             out.append(f"| {cname} | " + " | ".join(slo_text(users_at_slo(c["points"], x)) for x in slos) + " |")
         out += ["", "| configuration | users | TTFT p50 s | p90 s | p99 s | ITL p50 ms | ITL p90 ms | turns/min "
                 "| turns (failed, short) | prompt tokens | computed | L0 hit | loaded dram | disk | shared |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| --- |" + " ---: |" * 14]
         for cname, c in configs.items():
             for u, p in sorted(c["points"].items(), key=lambda kv: int(kv[0])):
                 ld = p["loaded_tokens"]
