@@ -765,9 +765,13 @@ class TieredStore:
     def has_local(self) -> bool:
         return self.n_local > 0
 
-    def holds(self, tier: str, key: str) -> bool:
-        """Whether the tier named ``tier`` holds ``key`` now (one ``contains``)."""
-        return any(t.name == tier and t.contains(key) for t in self.tiers)
+    def holds(self, tier: str, key: str) -> Optional[bool]:
+        """Whether the tier named ``tier`` holds ``key`` now (one ``contains``); None while
+        the tier cannot say yet (a shared tier before its first listing). Never I/O."""
+        for t in self.tiers:
+            if t.name == tier:
+                return t.contains(key) if t.knows_contents() else None
+        return False
 
     @property
     def tier_names(self) -> list[str]:

@@ -5,6 +5,8 @@ restart. The same against a real engine and a ZMQ subscriber: ``test_kv_events_e
 from __future__ import annotations
 
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
@@ -172,3 +174,65 @@ def test_writes_finished_after_the_last_step_are_announced_by_the_next_engine(tm
     assert all(e.medium == MEDIUM_STORAGE and e.token_ids == [] for e in stored.values())
     assert stored[tuple(external(r, 2, 4))].parent_block_hash == external(r, 1, 2)[0]
     assert set(second.held["disk"]) == {"k0", "k1"} and set(second.held["dram"]) == {"k0"}
+
+
+def test_a_tier_that_cannot_say_yet_keeps_its_record_until_it_can(tmp_path):
+    """A shared tier knows what it holds only after its first listing: a restart before it
+    announces none of the shared chunks removed; the first ``take`` after it settles the
+    record (what is gone removed, what was written after the last step stored)."""
+    snap = str(tmp_path / ".kvevents-ns.json")
+    first = TierEvents(["dram", "shared"], 1, B, snapshot=snap)
+    r = request("a", TOKENS)
+    first.seen(r, chunks(len(TOKENS)))
+    first.apply([("k0", "stored", "shared"), ("k1", "stored", "shared")])  # k2's publish: never reported
+    first.take()
+    first.close()
+    listed, on_shared = [False], {"k0", "k2"}
+
+    def present(tier, key):
+        if tier == "shared" and not listed[0]:
+            return None
+        return tier == "shared" and key in on_shared
+
+    second = TierEvents(["dram", "shared"], 1, B, snapshot=snap, present=present)
+    assert second.take() == [] and set(second.held["shared"]) == {"k0", "k1"}
+    second.close()  # a restart before the listing keeps the record, and the unreported chunk's hashes
+    third = TierEvents(["dram", "shared"], 1, B, snapshot=snap, present=present)
+    assert third.take() == [] and set(third.held["shared"]) == {"k0", "k1"}
+    listed[0] = True
+    out = third.take()
+    removed = [e for e in out if isinstance(e, BlockRemoved)]
+    stored = [e for e in out if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in removed] == [external(r, 2, 4)] and removed[0].ownership == "shared"
+    assert [e.block_hashes for e in stored] == [external(r, 4, 5)] and stored[0].token_ids == []
+    assert set(third.held["shared"]) == {"k0", "k2"} and third.take() == []
+
+
+def test_the_store_says_a_shared_tier_cannot_answer_before_its_first_listing(tmp_path):
+    from fsspec.implementations.local import LocalFileSystem
+
+    from cache.policy import LRUPolicy
+    from cache.store import TieredStore
+    from cache.tiers.memory import MemoryTier
+    from cache.tiers.shared import SharedTier
+
+    (tmp_path / "ns").mkdir()
+    opened = threading.Event()  # the filesystem opens (and so the first listing ends) only once set
+
+    def opener():
+        opened.wait(60)
+        return LocalFileSystem()
+
+    shared = SharedTier(opener, str(tmp_path), "ns", refresh_s=3600)
+    store = TieredStore([MemoryTier(1 << 20, "dram"), shared], "ns", [LRUPolicy(), LRUPolicy()])
+    try:
+        assert store.holds("dram", "k") is False
+        assert store.holds("shared", "k") is None  # unknown until listed
+        opened.set()
+        deadline = time.monotonic() + 60
+        while store.holds("shared", "k") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.holds("shared", "k") is False  # listed: an answer
+    finally:
+        opened.set()
+        store.close()

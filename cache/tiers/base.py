@@ -51,6 +51,11 @@ class Tier(ABC):
         still unanswered. Local tiers answer ``contains`` directly: nothing to wait for."""
         return False
 
+    def knows_contents(self) -> bool:
+        """Whether ``contains`` covers the whole tier yet. Local tiers always do; a shared
+        tier only after its first background listing (a restart reads it: ``cache.vllm.events``)."""
+        return True
+
     @abstractmethod
     def contains(self, key: str) -> bool:
         """Whether ``key`` is (probably) present. Cheap; may be stale."""

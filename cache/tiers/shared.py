@@ -5,29 +5,20 @@ mount, any fsspec URL); every call to it goes through ``cache.tiers.resilience``
 daemon threads, a deadline, a circuit breaker, an optional bandwidth cap). The folder
 layout is the local tiers' (``cache.tiers.layout``): ``ROOT/<namespace>/<key[:2]>/<key>``.
 
-Rules of a shared namespace:
-- Entries are write-once and content-addressed (a key names one token prefix of one
-  model/layout/rank). A write is published atomically: the bytes go to a unique
-  temporary name in the key's folder, then are renamed into place. A POSIX rename (a
-  Curvine FUSE/CSI mount) and Curvine's native rename are atomic. Backends without an
-  atomic rename implement it as copy + delete (object stores: the copy still lands as a
-  whole object); where even that could expose a short file, the entry header's length and
-  checksum reject it on read.
-- Two nodes writing one key at once is harmless: both entries are whole and valid, the
-  last rename wins.
-- Nothing read here is trusted: the store decodes every entry (namespace, key, checksum,
-  HMAC signature). A rejected entry is never deleted from the shared folder (a node with
-  another signing key, or a write in flight on a non-atomic backend, looks the same); it
-  is only ignored by this process for a while (``reject``).
-- Space is Curvine's to manage (quota, TTL): ``capacity`` is None.
+Rules of a shared namespace (docs/curvine.md, "How it behaves"): entries are write-once
+and content-addressed, published atomically (a unique temporary name, then a rename);
+two nodes writing one key at once is harmless; nothing read here is trusted (the store
+decodes and verifies every entry; a rejected one is ignored for a while, never deleted);
+space is Curvine's to manage (quota, TTL): ``capacity`` is None.
 
 Never blocking serving: ``contains`` answers from memory, a set of keys known to be
 present, learnt from a background listing (every ``refresh_s``), from this process's
 writes and reads, and from existence checks that ``probe`` starts in the background for
 keys the scheduler asks about. ``probe`` says whether answers are still pending, so the
-scheduler can defer a request (bounded) instead of waiting in its loop. While the tier
-is down (breaker open) ``contains`` and ``probe`` say no and calls fail fast with
-``SharedUnavailable`` (writes are skipped).
+scheduler can defer a request (bounded) instead of waiting in its loop; ``knows_contents``
+says whether a listing has completed (before, ``contains`` misses what others wrote).
+While the tier is down (breaker open) ``contains`` and ``probe`` say no and calls fail
+fast with ``SharedUnavailable`` (writes are skipped).
 """
 
 from __future__ import annotations
@@ -107,6 +98,7 @@ class SharedTier(Tier):
         self._used = 0
         self._stop = threading.Event()
         self._refresher: Optional[threading.Thread] = None
+        self._listed = threading.Event()  # a background listing completed
         self._pacer = pacer
 
     # -- calls (on the guard's threads) ---------------------------------------------
@@ -181,6 +173,11 @@ class SharedTier(Tier):
         """From memory only (never I/O): known present, tier up, not rejected."""
         return key in self._known and self._breaker.up and not (
             self._rejected and self._is_rejected(key))
+
+    def knows_contents(self) -> bool:
+        """True once a background listing completed (it starts one now)."""
+        self._start_refresh()
+        return self._listed.is_set()
 
     def probe(self, keys: Sequence[str]) -> bool:
         """Start background existence checks for the chain ``keys`` (in order) and say
@@ -393,6 +390,7 @@ class SharedTier(Tier):
                     if len(fresh) > MAX_KNOWN:
                         fresh = set(list(fresh)[:MAX_KNOWN])
                     self._known = fresh
+                    self._listed.set()
 
     def close(self) -> None:
         self._stop.set()

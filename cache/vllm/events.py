@@ -38,7 +38,9 @@ holds without having been announced there is announced stored: writes the worker
 finished after the scheduler's last step (saves, copies down to disk, publishes flushed
 at shutdown) are never reported to the engine that made them. Such chunks, and one moved
 to another tier before a request of the new engine used it, are announced by their
-hashes alone (``token_ids`` empty: their tokens are not known here).
+hashes alone (``token_ids`` empty: their tokens are not known here). The shared tier
+knows what it holds only after its first background listing: until then its record
+stays as it was, and the first ``take`` after the listing checks it.
 """
 
 from __future__ import annotations
@@ -103,10 +105,11 @@ class TierEvents:
     """The scheduler's record of what each tier holds, as vLLM KV events."""
 
     def __init__(self, tiers: Sequence[str], world: int, block_size: int, snapshot: Optional[str] = None,
-                 present: Optional[Callable[[str, str], bool]] = None) -> None:
+                 present: Optional[Callable[[str, str], Optional[bool]]] = None) -> None:
         """``tiers``: the tier names; ``world``: ranks (a chunk is held once every rank's
         entry is); ``snapshot``: the file that keeps announced hashes across restarts;
-        ``present(tier, key)``: whether a tier holds a chunk now (read at start-up)."""
+        ``present(tier, key)``: whether a tier holds a chunk now, None while the tier cannot
+        say (read after a restart, in memory)."""
         self.tiers = list(tiers)
         self.world = world
         self.block_size = block_size
@@ -121,6 +124,11 @@ class TierEvents:
         self._dirty = threading.Event()
         self._closed = threading.Event()
         self._writer: Optional[threading.Thread] = None
+        # After a restart: the tiers whose contents were not known yet (a shared tier before
+        # its first listing), and the restored chunks' hashes, until ``take`` settles them.
+        self._present = present
+        self._unsettled: list[str] = []
+        self._restored: dict[str, tuple] = {}
         if snapshot is not None:
             self._restore(snapshot, present)
 
@@ -158,6 +166,8 @@ class TierEvents:
 
     def take(self) -> list:
         """The events since the last call, for vLLM's publisher."""
+        if self._unsettled:
+            self._settle()
         out = list(self.pending)
         self.pending.clear()
         return out
@@ -224,7 +234,7 @@ class TierEvents:
                 self._writer.start()
 
     # -- across restarts -------------------------------------------------------------------
-    def _restore(self, path: str, present: Optional[Callable[[str, str], bool]]) -> None:
+    def _restore(self, path: str, present: Optional[Callable[[str, str], Optional[bool]]]) -> None:
         try:
             with open(path) as f:
                 saved = json.load(f)
@@ -235,7 +245,6 @@ class TierEvents:
             return
         if saved.get("block_size") != self.block_size:
             return
-        gone = found = 0
         known: dict[str, tuple] = {key: ([_unhex(h) for h in hashes], _unhex(parent))
                                    for key, hashes, parent in saved.get("recent", [])}
         for tier, entries in saved.get("tiers", {}).items():
@@ -245,17 +254,34 @@ class TierEvents:
                 self.held[tier][key] = known[key] = ([_unhex(h) for h in hashes], _unhex(parent))
                 if self.world > 1:
                     self._ranks[(tier, key)] = self.world
-                if present is not None and not present(tier, key):
-                    self._removed(tier, key)
-                    gone += 1
-        if present is not None:  # written after the last step the scheduler saw (module docstring)
-            for tier, held in self.held.items():
-                for key in [k for k in known if k not in held and present(tier, k)]:
-                    self._stored(tier, key, known[key])
-                    found += 1
-        log.info("kvcache: KV events: %d chunks announced before the restart still held, %d announced removed, "
-                 "%d written after its last step announced", sum(len(h) for h in self.held.values()) - found,
-                 gone, found)
+        if present is not None:
+            self._restored, self._unsettled = known, list(self.tiers)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Check the restored record against each tier that can say what it holds now: what
+        it no longer holds is announced removed, a known chunk it holds without having been
+        announced there is announced stored (written after the last step the scheduler saw:
+        module docstring). A tier that cannot say yet (``present`` None: a shared tier before
+        its first listing) keeps its record as it was and is checked again at the next
+        ``take``. In memory only."""
+        assert self._present is not None
+        for tier in list(self._unsettled):
+            held, probe = self.held[tier], next(iter(self._restored), None)
+            if probe is not None and self._present(tier, probe) is None:
+                continue
+            gone = [k for k in held if not self._present(tier, k)]
+            for key in gone:
+                self._removed(tier, key)
+            found = [k for k in self._restored if k not in held and self._present(tier, k)]
+            for key in found:
+                self._stored(tier, key, self._restored[key])
+            self._unsettled.remove(tier)
+            log.info("kvcache: KV events after the restart, tier %s: %d chunks announced before it still held, "
+                     "%d announced removed, %d written after its last step announced", tier,
+                     len(held) - len(found), len(gone), len(found))
+        if not self._unsettled:
+            self._restored = {}
 
     def _write_loop(self) -> None:
         while not self._closed.is_set():
@@ -269,11 +295,12 @@ class TierEvents:
         if snapshot is None:
             return
         held = {tier: list(entries.items()) for tier, entries in self.held.items()}  # (each copy is atomic)
-        recent = list(self.recent.items())
+        recent = [(k, (b.hashes, b.parent)) for k, b in list(self.recent.items())]
+        recent += list(self._restored.items())  # (kept until every tier is settled)
         data = {"block_size": self.block_size,
                 "tiers": {t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items]
                           for t, items in held.items()},
-                "recent": [[k, [_hex(h) for h in b.hashes], _hex(b.parent)] for k, b in recent]}
+                "recent": [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in recent]}
         tmp = f"{snapshot}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
