@@ -7,7 +7,8 @@ layer *i*: vLLM calls ``wait_for_layer_load`` before each attention layer, and o
 layer's KV must be in place by then. For a cached prefix and a new suffix, the load
 and the suffix's compute overlap instead of running one after the other.
 
-Each chunk's next layer is one task on the store's read threads (``EntryRead.step``),
+Each chunk's next layer is one task on the store's read threads (``EntryRead.step``,
+through ``cache.vllm.load_path.ChunkLoader.read_layer``: the reader whole loads use),
 queued behind every chunk's current layer, so layers arrive in order across chunks.
 The forward thread, while it waits, takes queued tasks of local chunks itself (the read
 threads share the cores its compute leaves); a shared-tier chunk is only ever read on a

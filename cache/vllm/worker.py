@@ -5,7 +5,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
   asynchronous (disk, shared) go to the store's read threads and are reported through
   ``take_transfer_results`` when their blocks are filled. On CPU blocks a synchronous
-  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``).
+  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``). Every
+  load reads its chunks through one ``cache.vllm.load_path.ChunkLoader``.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
