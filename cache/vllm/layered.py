@@ -68,7 +68,7 @@ class LayeredLoad:
         self._reads: list[Optional[EntryRead]] = [None] * n  # each chunk's read, once found
         self._layers = [0] * n               # layers in place per chunk
         self._remote = [False] * n           # read threads only (the shared tier)
-        self._queued: dict[int, Future] = {}  # chunk -> its next layer's task, in queue order
+        self._queued: dict[int, Future[None]] = {}  # chunk -> its next layer's task, in queue order
         self._failed_at = n                  # first chunk that failed (n: none)
         self._cut = False                    # past the deadline
         self._ended = False

@@ -235,7 +235,7 @@ class WorkerSide:
         writers.close()
         return failed_from(load, failed_at), cut
 
-    def _read_here(self, load: LoadRequest, writers: BlockWriters, futures: list[Future],
+    def _read_here(self, load: LoadRequest, writers: BlockWriters, futures: list[Future[ChunkResult]],
                    deadline: Deadline) -> dict[int, ChunkResult]:
         """A synchronous placed load: the forward pass waits for this thread, so it reads
         every chunk no read thread has started (the read threads share the cores this
