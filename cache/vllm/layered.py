@@ -7,7 +7,8 @@ layer *i*: vLLM calls ``wait_for_layer_load`` before each attention layer, and o
 layer's KV must be in place by then. For a cached prefix and a new suffix, the load
 and the suffix's compute overlap instead of running one after the other.
 
-Each chunk's next layer is one task on the store's read threads (``EntryRead.step``),
+Each chunk's next layer is one task on the store's read threads (``EntryRead.step``,
+through ``cache.vllm.load_path.ChunkLoader.read_layer``: the reader whole loads use),
 queued behind every chunk's current layer, so layers arrive in order across chunks.
 The forward thread, while it waits, takes queued tasks of local chunks itself (the read
 threads share the cores its compute leaves); a shared-tier chunk is only ever read on a
@@ -24,19 +25,16 @@ it, nothing more is written.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
-from cache.codec import HEADER_SIZE
-from cache.placed import BlockWriters, LoadEnded, Misfit
-from cache.store import ELSEWHERE
+from cache.placed import BlockWriters
+from cache.store import EntryRead
+from cache.vllm.load_path import ChunkLoader, ChunkResult, Deadline, Partial, Placed, Remote, failed_from
 from cache.vllm.metadata import LoadRequest
-
-log = logging.getLogger(__name__)
 
 # A load goes layer by layer only when the forward pass beside it computes at least this
 # many of the request's tokens: with less (a full hit computes one) there is nothing to
@@ -52,25 +50,25 @@ POLL_S = 0.05
 
 
 class LayeredLoad:
-    """One synchronous load of ``worker`` (a ``cache.vllm.worker.WorkerSide``), started at
-    once on the store's read threads. ``wait(layer)`` on the forward thread; ``finish``
+    """One synchronous load read through ``loader`` (a worker's ``ChunkLoader``), started
+    at once on the store's read threads. ``wait(layer)`` on the forward thread; ``finish``
     once after the forward pass: the blocks that failed."""
 
-    def __init__(self, worker, load: LoadRequest, layer_names: tuple[str, ...]) -> None:
-        self.worker, self.load = worker, load
-        self.store = worker.store
+    def __init__(self, loader: ChunkLoader, load: LoadRequest, layer_names: tuple[str, ...]) -> None:
+        self.loader, self.load = loader, load
+        self.store = loader.store
         self.n_layers = len(layer_names)
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.writers = BlockWriters()
         self.read: dict[str, int] = {}  # bytes verified per tier
         self.started = time.perf_counter()
-        self.end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
+        self.deadline = Deadline(load.deadline_s)
         n = len(load.chunks)
         self._cond = threading.Condition()
-        self._reads: list = [None] * n       # each chunk's EntryRead, once found
+        self._reads: list[Optional[EntryRead]] = [None] * n  # each chunk's read, once found
         self._layers = [0] * n               # layers in place per chunk
         self._remote = [False] * n           # read threads only (the shared tier)
-        self._queued: dict[int, Future] = {}  # chunk -> its next layer's task, in queue order
+        self._queued: dict[int, Future[None]] = {}  # chunk -> its next layer's task, in queue order
         self._failed_at = n                  # first chunk that failed (n: none)
         self._cut = False                    # past the deadline
         self._ended = False
@@ -80,7 +78,7 @@ class LayeredLoad:
         # The forward pass writes its new tokens' KV into a layer's blocks before it waits
         # for that layer: a last block the hit fills only in part must be whole before the
         # forward pass begins, or a layer landing late would overwrite the new tokens there.
-        tail = n - 1 if n and load.hit_end % worker.block_size else None
+        tail = n - 1 if n and load.hit_end % loader.block_size else None
         for c in range(n):
             if c != tail:
                 self._queue(c)
@@ -90,24 +88,23 @@ class LayeredLoad:
     def _read_whole(self, c: int) -> None:
         """Chunk ``c``, every layer, before this returns (forward thread; a shared-tier read
         on a read thread, waited for until the load's deadline)."""
-        worker, chunk = self.worker, self.load.chunks[c]
-        how, got = worker._read_chunk(chunk, self.writers, local_only=True)
-        if how == "remote":
-            future = self.store.run_read(worker._read_chunk, chunk, self.writers)
+        chunk = self.load.chunks[c]
+        result: ChunkResult = self.loader.read(chunk, self.writers, local_only=True)
+        if isinstance(result, Remote):
+            future = self.store.run_read(self.loader.read, chunk, self.writers)
             try:
-                how, got = future.result(timeout=None if self.end is None else max(0.0, self.end - time.monotonic()))
+                result = future.result(timeout=self.deadline.timeout())
             except FutureTimeout:
                 with self._cond:
                     self._cut_here()
                 return
-        done = got if how == "placed" else worker._fill(chunk, got) if how == "entry" else None
-        if done is not None:
-            self._count(chunk, done)
+        placed = self.loader.place(chunk, result)  # (a whole entry is copied here)
         with self._cond:
-            if done is None:
-                self._failed_at = min(self._failed_at, c)
-            else:
+            if isinstance(placed, Placed):
+                self.loader.count(chunk, placed, self.read)
                 self._layers[c] = self.n_layers
+            else:
+                self._failed_at = min(self._failed_at, c)
             self._note_done()
 
     # -- read threads and the forward thread ---------------------------------------
@@ -125,51 +122,20 @@ class LayeredLoad:
             self._queued.pop(c, None)
             if self._ended or c >= self._failed_at:
                 return
-        ok, whole, remote = True, False, False
-        try:
-            read = self._reads[c]
-            if read is None:
-                copier = self.worker.copiers[chunk.kind]
-                found = self.store.read_layers(
-                    chunk.key, lambda info: copier.place(chunk.block_ids, chunk.skip_blocks, info.dtype, info.shape),
-                    self.writers, local_only=here)
-                if found is ELSEWHERE and here:
-                    remote = True
-                elif found is ELSEWHERE:  # a tier that does not read in place: the whole entry
-                    done = self.worker._fill(chunk, self.store.get(chunk.key))
-                    ok, whole = done is not None, True
-                    if ok:
-                        self._count(chunk, done)
-                elif found is None:
-                    self.worker._on_event(chunk.key, "missing", "none")
-                    ok = False
-                else:
-                    self._reads[c] = read = found
-            else:
-                ok = read.step()
-            if ok and read is not None and read.read.done:
-                whole = True
-                self._count(chunk, (read.tier, HEADER_SIZE + read.read.info.payload_len))
-        except LoadEnded:
-            ok = False
-        except Misfit as e:
-            self.worker._misfit(chunk, e.tier, e)
-            ok = False
-        except Exception:  # never let a read thread's failure pass unseen
-            log.exception("kvcache: loading chunk %s failed", chunk.key)
-            self.worker._on_event(chunk.key, "damaged", "none")
-            ok = False
-        read = self._reads[c]
+        result = self.loader.read_layer(chunk, self._reads[c], self.writers, local_only=here)
         with self._cond:
-            if remote:
+            if isinstance(result, Remote):  # read again, on a read thread
                 self._remote[c] = True
-            elif not ok:
-                self._failed_at = min(self._failed_at, c)
-            elif whole:
+            elif isinstance(result, Partial):
+                self._reads[c] = result.read
+                self._layers[c] = result.read.read.next_part
+            elif isinstance(result, Placed):
+                self.loader.count(chunk, result, self.read)
                 self._layers[c] = self.n_layers
-            elif read is not None:
-                self._layers[c] = read.read.next_part
-            if ok and not whole and not self._ended and c < self._failed_at:
+            else:
+                self._failed_at = min(self._failed_at, c)
+            more = isinstance(result, (Remote, Partial))
+            if more and not self._ended and c < self._failed_at:
                 self._queue(c)
             self._note_done()
             self._cond.notify_all()
@@ -179,10 +145,6 @@ class LayeredLoad:
         until then, not until the forward pass beside it ends)."""
         if self._done_at is None and self._ready(self.n_layers - 1):
             self._done_at = time.perf_counter()
-
-    def _count(self, chunk, done: tuple[int, int]) -> None:
-        with self._cond:
-            self.worker._loaded(chunk, done, self.read)
 
     def _ready(self, layer: int) -> bool:
         """Whether ``layer`` is in place in every chunk that can still load (under the lock)."""
@@ -208,13 +170,12 @@ class LayeredLoad:
             with self._cond:
                 if self._ended or self._ready(layer):
                     break
-                if self.end is not None and time.monotonic() >= self.end:
+                if self.deadline.passed():
                     self._cut_here()
                     break
                 c = self._steal()
                 if c is None:
-                    timeout = POLL_S if self.end is None else max(0.0, min(POLL_S, self.end - time.monotonic()))
-                    self._cond.wait(timeout)
+                    self._cond.wait(self.deadline.poll(POLL_S))
                     continue
             self._advance(c, True)
         self._waited += time.perf_counter() - t0
@@ -224,9 +185,7 @@ class LayeredLoad:
         first = next((c for c, n in enumerate(self._layers[:self._failed_at]) if n < self.n_layers), None)
         if first is None:
             return
-        log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
-                 "the rest is recomputed", self.load.req_id, self.load.deadline_s, first, len(self.load.chunks))
-        self.worker._on_event(self.load.chunks[first].key, "recompute", "none")
+        self.loader.passed_deadline(self.load, first)
         self._failed_at, self._cut = first, True
 
     def finish(self) -> set[int]:
@@ -242,49 +201,44 @@ class LayeredLoad:
                 fut.cancel()
             self._queued.clear()
         self.writers.close()
-        chunks = self.load.chunks
         with self._cond:
-            self._failed = {b for ch in chunks[self._failed_at:] for b in ch.block_ids}
+            failed = self._failed = failed_from(self.load, self._failed_at)
         seconds = (self._done_at or time.perf_counter()) - self.started
-        worker = self.worker
-        if worker.costs is not None:
-            worker.costs.loaded(self.load, seconds, self.read, self._cut, bool(self._failed),
-                                forward_seconds=self._waited, layered=True)
-        if worker._timer is not None:
-            worker._timer("load", seconds, req=self.load.req_id, asynchronous=False, chunks=len(chunks),
-                          failed=len(self._failed), cut_short=self._cut, estimate=self.load.estimate_s,
-                          layered=True)
-        return self._failed
+        self.loader.report(self.load, seconds, self.read, self._cut, failed, forward_seconds=self._waited)
+        return failed
 
 
 class StepLoads:
-    """A worker's layer-wise loads of the current step (forward thread only)."""
+    """A worker's layer-wise loads of the current step (forward thread only), read through
+    ``loader``; ``enabled``: the setting on (``KVCACHE_LAYERED_LOADS``) for a model with
+    one KV cache group."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    def __init__(self, loader: ChunkLoader, enabled: bool) -> None:
+        self.loader = loader
+        self.enabled = enabled
         self.loads: list[LayeredLoad] = []
 
     def wants(self, load: LoadRequest) -> bool:
-        """Whether a synchronous load goes layer by layer: the setting on
-        (``KVCACHE_LAYERED_LOADS``), enough compute beside it (``MIN_COMPUTE_TOKENS``),
-        CPU blocks read in place, one entry kind holding every layer."""
-        w = self.worker
-        return (w.config.layered_loads and load.compute_tokens >= MIN_COMPUTE_TOKENS and not w.layout.hybrid
-                and len(w.copiers) == 1 and w.copiers[0].placeable)
+        """Whether a synchronous load goes layer by layer: enabled, enough compute beside
+        it (``MIN_COMPUTE_TOKENS``), CPU blocks read in place, one entry kind holding
+        every layer."""
+        copiers = self.loader.copiers
+        if not self.enabled or load.compute_tokens < MIN_COMPUTE_TOKENS:
+            return False
+        return len(copiers) == 1 and copiers[0].placeable
 
     def start(self, load: LoadRequest) -> None:
-        self.loads.append(LayeredLoad(self.worker, load, self.worker.copiers[0].layout.layer_names))
+        self.loads.append(LayeredLoad(self.loader, load, self.loader.copiers[0].layout.layer_names))
 
     def wait(self, layer_name: str) -> None:
         for load in self.loads:
             load.wait(layer_name)
 
-    def finish(self) -> None:
-        """After the forward pass: end every load of the step; the blocks that failed go
-        to vLLM with the step's output (``WorkerSide.get_block_ids_with_load_errors``)."""
+    def finish(self) -> set[int]:
+        """After the forward pass: end every load of the step; the blocks that failed (to
+        vLLM with the step's output: ``WorkerSide.get_block_ids_with_load_errors``)."""
         loads, self.loads = self.loads, []
+        failed: set[int] = set()
         for load in loads:
-            failed = load.finish()
-            if failed:
-                with self.worker._lock:
-                    self.worker._failed_blocks |= failed
+            failed |= load.finish()
+        return failed

@@ -5,7 +5,8 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   (a memory copy, like vLLM's own prefix cache); loads the scheduler marked
   asynchronous (disk, shared) go to the store's read threads and are reported through
   ``take_transfer_results`` when their blocks are filled. On CPU blocks a synchronous
-  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``).
+  load goes layer by layer (``cache.vllm.layered``; ``wait_for_layer_load``). Every
+  load reads its chunks through one ``cache.vllm.load_path.ChunkLoader``.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
   never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
@@ -31,23 +32,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from cache.assembly import writer_store
-from cache.codec import HEADER_SIZE
 from cache.config import CacheConfig
 from cache.keys import Namespace
-from cache.placed import BlockWriters, LoadEnded, Misfit
-from cache.store import ELSEWHERE
+from cache.placed import BlockWriters
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, copiers_for
 from cache.vllm.layered import StepLoads
 from cache.vllm.load_costs import LoadCosts
+from cache.vllm.load_path import ChunkLoader, ChunkResult, Deadline, Failed, Fetched, Remote, failed_from
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
 from cache.vllm.staging import StagingPool
@@ -71,7 +71,6 @@ class WorkerSide:
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
         self.store = writer_store(config, namespace, thread_setup=self._thread_setup)
-        self._timer: Optional[Callable[..., None]] = None
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
@@ -81,8 +80,10 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # hybrid models: loads that failed
-        self._inflight: dict[str, object] = {}
-        self.layered = StepLoads(self)  # this step's layer-wise loads (forward thread)
+        self._inflight: dict[str, threading.Thread] = {}
+        self.loader = ChunkLoader(self.store, block_size, self._on_event)  # every load reads through it
+        # this step's layer-wise loads (forward thread)
+        self.layered = StepLoads(self.loader, config.layered_loads and not self.layout.hybrid)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
         self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
         self.store.on_event = self._on_event
@@ -95,6 +96,7 @@ class WorkerSide:
         if self.copiers[0].cuda:  # threads started from now on select it first
             self._thread_setup.select_device = self.copiers[0].streams.select
         self.costs = LoadCosts(step_clock(self.copiers[0].device))
+        self.loader.copiers, self.loader.costs = self.copiers, self.costs
         chunk = max(c.layout.bytes_per_block() for c in self.copiers) * chunk_blocks  # the largest entry
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
@@ -106,7 +108,7 @@ class WorkerSide:
         """Benchmarks: ``timer(step, seconds, **details)`` for each tier read (``"read"``) and
         entry check (``"decode"``, on the thread that ran them), copy into the KV cache
         (``"scatter"``) and load request (``"load"``: ``req``, ``asynchronous``, ``chunks``, ``failed``)."""
-        self._timer = timer
+        self.loader.timer = timer
         self.store.timer = timer
 
     # -- loads -----------------------------------------------------------------
@@ -140,23 +142,21 @@ class WorkerSide:
             elif self.layered.wants(load):
                 self.layered.start(load)
             else:
-                failed = self._timed_load(load)
-                if failed:
-                    with self._lock:
-                        self._failed_blocks |= failed
+                self._fail(self._timed_load(load))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before attention layer ``layer_name`` (forward thread): its KV is in place."""
         self.layered.wait(layer_name)
 
-    def _load_async(self, load: LoadRequest, mark) -> None:
+    def _load_async(self, load: LoadRequest, mark: Any) -> None:
+        """An asynchronous load, on its own thread; reported by ``take_transfer_results``."""
         self._thread_setup("load")
-        failed = set()
+        failed: set[int] = set()
         try:
             failed = self._timed_load(load, mark)
         except Exception:
             log.exception("kvcache: loading request %s failed", load.req_id)
-            failed = {b for c in load.chunks for b in c.block_ids}
+            failed = failed_from(load, 0)
         with self._lock:
             if failed and self.layout.hybrid:
                 self._failed_requests.add(load.req_id)
@@ -164,19 +164,16 @@ class WorkerSide:
                 self._failed_blocks |= failed
             self._finished_loads.add(load.req_id)
 
-    def _timed_load(self, load: LoadRequest, mark=None) -> set[int]:
+    def _timed_load(self, load: LoadRequest, mark: Any = None) -> set[int]:
+        """A whole load (before the forward pass, or on its own thread), timed; the blocks
+        that failed."""
         t = time.perf_counter()
         read: dict[str, int] = {}  # bytes verified per tier
         failed, cut = self._load(load, mark, read)
-        seconds = time.perf_counter() - t
-        if self.costs is not None:
-            self.costs.loaded(load, seconds, read, cut, bool(failed))
-        if self._timer is not None:
-            self._timer("load", seconds, req=load.req_id, asynchronous=load.asynchronous,
-                        chunks=len(load.chunks), failed=len(failed), cut_short=cut, estimate=load.estimate_s)
+        self.loader.report(load, time.perf_counter() - t, read, cut, failed)
         return failed
 
-    def _load(self, load: LoadRequest, mark, read: dict[str, int]) -> tuple[set[int], bool]:
+    def _load(self, load: LoadRequest, mark: Any, read: dict[str, int]) -> tuple[set[int], bool]:
         """Fill the request's blocks chunk by chunk; returns the blocks that failed, and
         whether the load passed its deadline (``load.deadline_s``: the chunks not in place
         by then fail, and vLLM recomputes them). ``mark``: the compute stream's point the
@@ -185,145 +182,79 @@ class WorkerSide:
         assert self.copiers
         if all(self.copiers[c.kind].placeable for c in load.chunks):
             return self._load_placed(load, read)
-        end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
+        deadline = Deadline(load.deadline_s)
         # Reads and checksums run on the store's read threads, ahead of the copies here. A
         # synchronous load's thread (the forward pass waits for it) reads a chunk itself
         # when no read thread has started it yet, rather than wait idle.
         futures = [self.store.get_async(c.key) for c in load.chunks]
+        read_here = not load.asynchronous and deadline.end is None
         for i, chunk in enumerate(load.chunks):
             try:
-                if not load.asynchronous and end is None and futures[i].cancel():
+                if read_here and futures[i].cancel():
                     entry = self.store.get(chunk.key)
                 else:
-                    entry = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
+                    entry = futures[i].result(timeout=deadline.timeout())
             except FutureTimeout:  # slower than recomputing: the rest is recomputed
                 for f in futures[i:]:
                     f.cancel()  # (one already running ends on its own; its result is dropped)
-                log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
-                         "the rest is recomputed", load.req_id, load.deadline_s, i, len(load.chunks))
-                self._on_event(chunk.key, "recompute", "none")
-                return {b for c in load.chunks[i:] for b in c.block_ids}, True
-            done = self._fill(chunk, entry, mark)
-            if done is None:
-                return {b for c in load.chunks[i:] for b in c.block_ids}, False
-            self._loaded(chunk, done, read)
+                self.loader.passed_deadline(load, i)
+                return failed_from(load, i), True
+            if not self.loader.settle(chunk, Fetched(entry), read, mark):
+                return failed_from(load, i), False
         return set(), False
-
-    def _fill(self, chunk, entry, mark=None) -> Optional[tuple[int, int]]:
-        """Copy a verified entry (``TieredStore.get``) into the chunk's blocks; its tier
-        and bytes, or None when there is nothing to copy or it does not fit (the event
-        is sent)."""
-        copier = self.copiers[chunk.kind]
-        if entry is None:
-            self._on_event(chunk.key, "missing", "none")
-            return None
-        try:
-            with warnings.catch_warnings():  # read-only mapping, only ever copied from
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                src = torch.frombuffer(entry.payload, dtype=copier.layout.dtype)
-            if entry.info.dtype != copier.layout.dtype_name:
-                raise ValueError(f"entry dtype {entry.info.dtype}, cache {copier.layout.dtype_name}")
-            t = time.perf_counter()
-            copier.scatter(chunk.block_ids, src.view(entry.info.shape), chunk.skip_blocks, after=mark)
-            if self._timer is not None:
-                self._timer("scatter", time.perf_counter() - t)
-        except (ValueError, RuntimeError) as e:
-            self._misfit(chunk, self.store.tier_names[entry.tier], e)
-            return None
-        return entry.tier, HEADER_SIZE + entry.payload.nbytes
-
-    def _misfit(self, chunk, tier: str, e: Exception) -> None:
-        log.warning("kvcache: entry %s does not fit this engine: %s", chunk.key, e)
-        self._on_event(chunk.key, "damaged", tier)
-
-    def _loaded(self, chunk, done: tuple[int, int], read: dict[str, int]) -> None:
-        """Count a chunk in place: its tokens served, its bytes read from its tier."""
-        tier, nbytes = done
-        self.store.note_loaded(tier, chunk.tokens if chunk.tokens is not None
-                               else len(chunk.block_ids) * self.block_size, chunk.key, chunk.tier)
-        name = self.store.tier_names[tier]
-        read[name] = read.get(name, 0) + nbytes
 
     def _load_placed(self, load: LoadRequest, read: dict[str, int]) -> tuple[set[int], bool]:
         """``_load`` for CPU blocks (``BlockCopier.placeable``): each chunk in a local file
-        is read straight into its blocks and verified there (``TieredStore.get_into``),
-        on the store's read threads, in parallel; a synchronous load's own thread first
-        takes every local chunk no read thread has started, then waits for the others.
+        is read straight into its blocks and verified there (``ChunkLoader.read``), on the
+        store's read threads, in parallel; a synchronous load's own thread first takes
+        every local chunk no read thread has started, then waits for the others.
         Shared-tier chunks are read on a read thread (through the tier's own threads,
         within its deadline), a piece at a time into the blocks. When the load fails or
         passes its deadline, the reads writing into blocks are waited for (a local
         file's chunk, a shared read's piece) and the others write nothing: no block vLLM
         is told to recompute is written afterwards."""
-        end = None if load.deadline_s is None else time.monotonic() + load.deadline_s
+        deadline = Deadline(load.deadline_s)
         writers = BlockWriters()
-        futures = [self.store.run_read(self._read_chunk, c, writers) for c in load.chunks]
-        done_here: dict[int, tuple[str, object]] = {}
-        if not load.asynchronous:
-            # The forward pass waits for this thread: it reads every chunk no read thread
-            # has started (the read threads share the cores this one's compute leaves),
-            # until the deadline (past it by one chunk's read at most).
-            for i, chunk in enumerate(load.chunks):
-                if end is not None and time.monotonic() >= end:
-                    break
-                if futures[i].cancel():
-                    done_here[i] = self._read_chunk(chunk, writers, local_only=True)
-                    if done_here[i][0] == "remote":  # the shared tier's read: on a read thread
-                        futures[i] = self.store.run_read(self._read_chunk, chunk, writers)
-                        del done_here[i]
-                    elif done_here[i][0] == "failed":
-                        break
+        futures = [self.store.run_read(self.loader.read, c, writers) for c in load.chunks]
+        done_here = {} if load.asynchronous else self._read_here(load, writers, futures, deadline)
         failed_at, cut = None, False
         for i, chunk in enumerate(load.chunks):
             try:
-                if i in done_here:
-                    how, got = done_here[i]
-                else:
-                    how, got = futures[i].result(timeout=None if end is None else max(0.0, end - time.monotonic()))
+                result = done_here[i] if i in done_here else futures[i].result(timeout=deadline.timeout())
             except FutureTimeout:  # slower than recomputing: the rest is recomputed
-                log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
-                         "the rest is recomputed", load.req_id, load.deadline_s, i, len(load.chunks))
-                self._on_event(chunk.key, "recompute", "none")
+                self.loader.passed_deadline(load, i)
                 failed_at, cut = i, True
                 break
-            done = got if how == "placed" else self._fill(chunk, got) if how == "entry" else None
-            if done is None:
+            if not self.loader.settle(chunk, result, read):
                 failed_at = i
                 break
-            self._loaded(chunk, done, read)
         if failed_at is None:
             return set(), False
         for f in futures[failed_at:]:
             f.cancel()
         writers.close()
-        return {b for c in load.chunks[failed_at:] for b in c.block_ids}, cut
+        return failed_from(load, failed_at), cut
 
-    def _read_chunk(self, chunk, writers: "BlockWriters", local_only: bool = False) -> tuple[str, object]:
-        """One chunk of a placed load, on a read thread or the load's own thread:
-        ("placed", (tier, bytes)) once in its blocks; ("entry", entry or None) from
-        ``get`` for a tier that does not read in place (``local_only``: ("remote",
-        None) when only the shared tier may have it); ("failed", None) when it cannot
-        be loaded or the load has ended (the event is sent)."""
-        copier = self.copiers[chunk.kind]
-        try:
-            found = self.store.get_into(
-                chunk.key, lambda info: copier.place(chunk.block_ids, chunk.skip_blocks, info.dtype, info.shape),
-                writers, local_only)
-        except LoadEnded:
-            return "failed", None
-        except Misfit as e:
-            self._misfit(chunk, e.tier, e)
-            return "failed", None
-        except Exception:  # never let a read thread's failure pass unseen
-            log.exception("kvcache: loading chunk %s failed", chunk.key)
-            self._on_event(chunk.key, "damaged", "none")
-            return "failed", None
-        if found is ELSEWHERE:
-            return ("remote", None) if local_only else ("entry", self.store.get(chunk.key))
-        if found is None:
-            self._on_event(chunk.key, "missing", "none")
-            return "failed", None
-        tier, info = found
-        return "placed", (tier, HEADER_SIZE + info.payload_len)
+    def _read_here(self, load: LoadRequest, writers: BlockWriters, futures: list[Future[ChunkResult]],
+                   deadline: Deadline) -> dict[int, ChunkResult]:
+        """A synchronous placed load: the forward pass waits for this thread, so it reads
+        every chunk no read thread has started (the read threads share the cores this
+        one's compute leaves), until the deadline (past it by one chunk's read at most)
+        or a chunk fails. A shared-tier chunk goes back to a read thread (``futures``)."""
+        done_here: dict[int, ChunkResult] = {}
+        for i, chunk in enumerate(load.chunks):
+            if deadline.passed():
+                break
+            if not futures[i].cancel():
+                continue
+            result = self.loader.read(chunk, writers, local_only=True)
+            if isinstance(result, Remote):  # the shared tier's read: on a read thread
+                futures[i] = self.store.run_read(self.loader.read, chunk, writers)
+                continue
+            done_here[i] = result
+            if isinstance(result, Failed):
+                break
+        return done_here
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         """Asynchronous loads finished since the last call and those of them that failed
@@ -342,15 +273,21 @@ class WorkerSide:
             counters.update(self.costs.totals())
         return self._stats.take(counters, {"all.enabled": 1, **self.store.levels()})
 
+    def _fail(self, blocks: set[int]) -> None:
+        """Blocks that could not be loaded: to vLLM with this step's output (any thread)."""
+        if blocks:
+            with self._lock:
+                self._failed_blocks |= blocks
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self.layered.finish()  # (done in wait_for_save, unless vLLM deferred that)
+        self._fail(self.layered.finish())  # (done in wait_for_save, unless vLLM deferred that)
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
-        self.layered.finish()  # this step's layer-wise loads end; failures go with its output
+        self._fail(self.layered.finish())  # this step's layer-wise loads end; failures go with its output
         if self.costs is not None:
             self.costs.forward_ended()
         if not meta.saves or not self.copiers:
