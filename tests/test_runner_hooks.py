@@ -103,8 +103,10 @@ def so(meta=None, sync=False):
                            finished_req_ids=set())
 
 
-def until(engine, done, timeout=30.0):
-    """Empty steps until ``done(output)``; the outputs seen."""
+def until(engine, done, timeout=120.0):
+    """Empty steps until ``done(output)``; the outputs seen. The loader and writer threads
+    run niced: with both cores taken by an engine (another test run on this machine) an
+    asynchronous load once took over 30 s here, so the bound is generous."""
     seen, end = [], time.monotonic() + timeout
     while not seen or not done(seen[-1]):
         assert time.monotonic() < end, seen
