@@ -55,7 +55,11 @@ def cache_spec(tmp, name: str) -> dict:
 
 
 def entry_files(folder) -> list[str]:
-    return [f for _root, _dirs, files in os.walk(folder) for f in files if ".tmp-" not in f]
+    """The entries' file names under a tier folder: keys only (no temporary file, no popularity
+    note ``.hot/<node>.json``, no KV events snapshot)."""
+    from cache.tiers.layout import is_key
+
+    return [f for _root, _dirs, files in os.walk(folder) for f in files if is_key(f)]
 
 
 @pytest.mark.engine
@@ -78,7 +82,7 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
     assert len(entry_files(tmp_path / "l3")) == 9
     # and on local disk too (durability: used twice, copied down from DRAM, which never
     # overflowed; the shutdown flushed the copies), for a new container on this node
-    assert len([f for f in entry_files(tmp_path / "disk-a") if not f.startswith(".")]) == 9
+    assert len(entry_files(tmp_path / "disk-a")) == 9
 
     hit, hit2 = run_l3_engine({
         "model": model_path,
