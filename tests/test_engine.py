@@ -147,13 +147,19 @@ def test_a_full_hit_loads_whole_before_the_forward_pass(one_engine):
 
 def test_vllm_counts_our_hits_by_the_tier_that_served_them(one_engine):
     """``vllm:prompt_tokens_cached_by_source``: DRAM hits as host, disk hits as disk, as
-    the connector reports them; none left external_unspecified."""
+    the connector reports them; none left external_unspecified. vLLM counts the tier the
+    scheduler's lookup planned; a chunk promoted into DRAM (or pushed down to disk) between
+    that lookup and its load is served by the other tier (the worker reads the highest tier
+    holding it): the two sources may then differ from what served them by that chunk (seen
+    once in a full run: host 2023 vs 2279 served, disk 2048 vs 1792), the total may not."""
     *requests, counted = one_engine
     served = {tier: sum(r.get("loaded", {}).get(tier, 0) for r in requests) for tier in ("dram", "disk")}
     assert served["dram"] and served["disk"]
     by_source = {source: counted["labelled"].get(f"vllm:prompt_tokens_cached_by_source_total{{source={source}}}")
                  for source in ("host", "disk", "external_unspecified")}
-    assert by_source == {"host": served["dram"], "disk": served["disk"], "external_unspecified": 0}
+    assert by_source["external_unspecified"] == 0 and by_source["host"] and by_source["disk"], by_source
+    assert by_source["host"] + by_source["disk"] == served["dram"] + served["disk"], (by_source, served)
+    assert abs(by_source["disk"] - served["disk"]) <= 2 * CHUNK, (by_source, served)
 
 
 def test_hit_with_a_partly_filled_last_block_matches_recompute(one_engine):
