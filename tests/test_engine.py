@@ -151,7 +151,9 @@ def test_vllm_counts_our_hits_by_the_tier_that_served_them(one_engine):
     scheduler's lookup planned; a chunk promoted into DRAM (or pushed down to disk) between
     that lookup and its load is served by the other tier (the worker reads the highest tier
     holding it): the two sources may then differ from what served them by that chunk (seen
-    once in a full run: host 2023 vs 2279 served, disk 2048 vs 1792), the total may not."""
+    once in a full run: host 2023 vs 2279 served, disk 2048 vs 1792), the total may not.
+    Which label each tier gets is pinned exactly, without an engine, by
+    test_connector_parts.py (HOST for a DRAM chunk, DISK for disk chunks)."""
     *requests, counted = one_engine
     served = {tier: sum(r.get("loaded", {}).get(tier, 0) for r in requests) for tier in ("dram", "disk")}
     assert served["dram"] and served["disk"]

@@ -130,7 +130,7 @@ class TierEvents:
         self._unsettled: list[str] = []
         self._restored: dict[str, tuple] = {}
         if snapshot is not None:
-            self._restore(snapshot, present)
+            self._restore(snapshot)
 
     # -- scheduler loop ------------------------------------------------------------------
     def seen(self, request, chunks: Sequence) -> None:
@@ -234,7 +234,7 @@ class TierEvents:
                 self._writer.start()
 
     # -- across restarts -------------------------------------------------------------------
-    def _restore(self, path: str, present: Optional[Callable[[str, str], Optional[bool]]]) -> None:
+    def _restore(self, path: str) -> None:
         try:
             with open(path) as f:
                 saved = json.load(f)
@@ -254,7 +254,7 @@ class TierEvents:
                 self.held[tier][key] = known[key] = ([_unhex(h) for h in hashes], _unhex(parent))
                 if self.world > 1:
                     self._ranks[(tier, key)] = self.world
-        if present is not None:
+        if self._present is not None:
             self._restored, self._unsettled = known, list(self.tiers)
             self._settle()
 
