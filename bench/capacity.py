@@ -17,8 +17,9 @@ around each point give the prompt tokens computed, hit in L0 and loaded per tier
 
 Writes ``capacity.json``, ``capacity.md`` and ``capacity.png`` (TTFT p90 against users)
 under ``--out`` (``bench/results``); a run into ``bench/results`` also rewrites its
-summary in ``bench/README.md``. Exit status 1 when a configuration failed to start or
-no turn finished.
+summary in ``bench/README.md`` and the capacity panel of the Grafana dashboard
+(``deploy/grafana/kvcache.json``: TTFT p90 against users, users at each SLO). Exit
+status 1 when a configuration failed to start or no turn finished.
 """
 
 from __future__ import annotations
@@ -188,6 +189,33 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+DASHBOARD_PANEL = "Capacity measured by the benchmark: TTFT p90 against users (bench/results/capacity.md)"
+
+
+def dashboard_text(result: dict) -> str:
+    """The markdown of the dashboard's capacity panel: per workload and configuration, TTFT
+    p90 at each user count of the sweep and the users served at each SLO; what was run and
+    on what, so an operator does not read it as a measurement of their deployment."""
+    run = result["run"]
+    slos = run.get("slos", [run["slo_s"]])
+    lines = [f"Measured by `python -m bench.capacity` ({run['scale']}; started {run['started']}): "
+             "the project's generated check model on its reference machine, not this deployment. "
+             "Run the benchmark against your model and hardware for your own curve. Live: the panel "
+             "*Capacity curve: TTFT p90 by requests in flight*."]
+    for wname, configs in result["workloads"].items():
+        users = sorted({int(u) for c in configs.values() for u in c["points"]})
+        lines += ["", f"**{wname}**: TTFT p90 (s) at each user count; users served at each SLO", "",
+                  "| configuration | " + " | ".join(f"{u} users" for u in users) + " | "
+                  + " | ".join(f"p90 <= {x:g} s" for x in slos) + " |",
+                  "| --- |" + " ---: |" * (len(users) + len(slos))]
+        for cname, c in configs.items():
+            pts = {int(u): pt for u, pt in c["points"].items()}
+            cells = [f"{pts[u]['ttft_p90']:.2f}" if u in pts else "–" for u in users]
+            cells += [stats.slo_text(stats.users_at_slo(c["points"], x)) for x in slos]
+            lines.append(f"| {cname} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="chat,rag,agent")
@@ -225,8 +253,8 @@ def parse(argv=None):
 
 
 def write(result: dict, out: Path, failed: list[str], workdir: Path) -> None:
-    """capacity.json, .md, .png under ``out``; the summary in bench/README.md when ``out``
-    is bench/results."""
+    """capacity.json, .md, .png under ``out``; the summary in bench/README.md and the
+    dashboard's capacity panel when ``out`` is bench/results."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(result, indent=1))
     text = stats.report(result)
@@ -237,9 +265,11 @@ def write(result: dict, out: Path, failed: list[str], workdir: Path) -> None:
         stats.plot(result, out / "capacity.png")
     print(text)
     if out.resolve() == RESULTS.resolve() and result["workloads"]:
+        from bench.dashboard import set_text_panel
         from bench.readme import replace_section
 
         replace_section("capacity", summary(result))
+        set_text_panel(DASHBOARD_PANEL, dashboard_text(result))
 
 
 def main(argv=None) -> int:

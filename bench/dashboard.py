@@ -5,12 +5,14 @@
 Starts Prometheus (Debian's ``prometheus`` package, or ``--prometheus PATH``) on a free
 local port with a 1 s scrape of ``URL/metrics``, sends a little traffic to the server
 (each prompt twice, so the tiers serve the repeats), waits for a few scrapes and runs
-every query of the dashboard through Prometheus' HTTP API (``$__rate_interval`` taken as
-``--window``). Prints one line per query: the panel, the legend, how many series
-answered and one value. ``tests/test_server.py`` runs the same against its server.
+every query of the dashboard through Prometheus' HTTP API (``$__rate_interval`` and
+``$__range`` taken as ``--window``). Prints one line per query: the panel, the legend,
+how many series answered and one value. ``tests/test_server.py`` runs the same against
+its server.
 
 Also here, for that test: ``metric_names`` (the series a PromQL expression names) and
-``exported_names`` (the series a ``/metrics`` page declares).
+``exported_names`` (the series a ``/metrics`` page declares); for ``bench.capacity``,
+``set_text_panel`` (its results in the dashboard's capacity panel).
 """
 
 from __future__ import annotations
@@ -135,6 +137,17 @@ class Prometheus:
         self.close()
 
 
+def set_text_panel(title: str, content: str, path: Path = DASHBOARD) -> None:
+    """Put ``content`` (markdown) in the dashboard's text panel titled ``title``. Plain file
+    I/O, in the benchmark's process after a run (``bench.capacity``)."""
+    dash = json.loads(Path(path).read_text())
+    panels = [p for p in dash["panels"] if p.get("type") == "text" and p["title"] == title]
+    if len(panels) != 1:
+        raise ValueError(f"{path}: expected one text panel titled {title!r}, found {len(panels)}")
+    panels[0].setdefault("options", {}).update(mode="markdown", content=content)
+    Path(path).write_text(json.dumps(dash, indent=2, ensure_ascii=False))
+
+
 def traffic(url: str, prompts: int = 3, pause_s: float = 1.0) -> None:
     """Each of ``prompts`` long prompts twice (the repeat is served from the tiers)."""
     with httpx.Client(base_url=url, timeout=120) as client:
@@ -149,7 +162,7 @@ def traffic(url: str, prompts: int = 3, pause_s: float = 1.0) -> None:
 def answers(prom: Prometheus, window: str, path: Path = DASHBOARD) -> Iterator[tuple[str, str, str, list]]:
     """``(panel, legend, expression, result)`` of every dashboard query."""
     for title, legend, expr in queries(path):
-        yield title, legend, expr, prom.query(expr.replace("$__rate_interval", window))
+        yield title, legend, expr, prom.query(expr.replace("$__rate_interval", window).replace("$__range", window))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -158,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dashboard", type=Path, default=DASHBOARD)
     p.add_argument("--prometheus", default=None, help="the prometheus binary (default: on PATH)")
     p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--window", default="1m", help="what $__rate_interval stands for")
+    p.add_argument("--window", default="1m", help="what $__rate_interval and $__range stand for")
     args = p.parse_args(argv)
     target = args.url.split("://", 1)[-1].rstrip("/")
     with Prometheus(target, args.prometheus) as prom:

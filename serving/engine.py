@@ -55,12 +55,15 @@ class State(enum.Enum):
 class ObservedEngine:
     """The engine client handed to vLLM's serving layer; sees every request's outputs.
 
-    Everything but ``generate`` is passed through to ``AsyncLLM``.
+    Everything but ``generate`` is passed through to ``AsyncLLM``. ``in_flight``: the
+    ``generate`` streams open now (event loop only, so a plain int), which each request's
+    outcome carries as the load it arrived at.
     """
 
     def __init__(self, client: Any, on_finish: Callable[[RequestOutcome], None]) -> None:
         self._client = client
         self._on_finish = on_finish
+        self.in_flight = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -72,6 +75,8 @@ class ObservedEngine:
         delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         t0, ttft, generated = now(), None, 0
         stream = self._client.generate(*args, **kwargs)
+        self.in_flight += 1
+        arrived_at = self.in_flight
         try:
             async for out in stream:
                 n = sum(len(o.token_ids) for o in out.outputs)
@@ -80,11 +85,12 @@ class ObservedEngine:
                 generated = generated + n if delta else n
                 if out.finished:
                     try:
-                        self._on_finish(outcome_from_output(out, generated, ttft))
+                        self._on_finish(outcome_from_output(out, generated, ttft, arrived_at))
                     except Exception:  # metrics must never fail a request
                         log.exception("recording a request outcome failed")
                 yield out
         finally:
+            self.in_flight -= 1
             await stream.aclose()
 
 

@@ -11,7 +11,8 @@ tier, which ``TieredKVConnector`` reports through vLLM's connector-stats pipelin
 Ours, from two sources, neither of which blocks a request:
 - request outcomes, recorded on the event loop when a request finishes (``observe``):
   requests and time to first token by the slowest tier that served part of the prefix
-  (from the request's ``kv_transfer_params``), KV bytes per request;
+  (from the request's ``kv_transfer_params``), KV bytes per request, and time to first
+  token by the requests in flight when the request arrived (the live capacity curve);
 - on a GPU, the energy counters of NVML (``pynvml``), when it is importable, read at
   scrape time;
 - pins (``cache.pins``), read at scrape time from the pin file of the tier that keeps
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60)
+
 
 @dataclass
 class RequestOutcome:
@@ -51,6 +54,7 @@ class RequestOutcome:
     cached_tokens: int                    # vLLM's num_cached_tokens (its prefix cache + ours)
     loaded: Mapping[str, int] = field(default_factory=dict)  # tokens per tier of ours
     ttft_s: Optional[float] = None
+    in_flight: int = 0                    # engine requests in flight at its arrival, itself included
 
     def slowest_source(self, tier_order: tuple[str, ...]) -> str:
         """The slowest of our tiers that served part of the prompt; else ``vllm`` (the
@@ -62,6 +66,23 @@ class RequestOutcome:
             if n:
                 return name
         return "vllm" if self.cached_tokens else "none"
+
+
+# Bands of requests in flight (powers of two): the live capacity curve's x axis.
+_BAND_TOPS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def in_flight_band(n: int) -> str:
+    """The band label of ``n`` requests in flight (``n`` >= 1): ``1``, ``2``, ``3-4``,
+    ``5-8`` ... ``129-256``, then ``257+``."""
+    if n < 1:
+        raise ValueError(f"requests in flight must be >= 1, got {n}")
+    low = 1
+    for top in _BAND_TOPS:
+        if n <= top:
+            return str(top) if low == top else f"{low}-{top}"
+        low = top + 1
+    return f"{low}+"
 
 
 class _EnergyCollector:
@@ -208,7 +229,11 @@ class ServingMetrics:
         self.ttft = Histogram(
             "kvcache_time_to_first_token_seconds", "Time to first token by the slowest tier "
             "that served part of the prefix", ["prefix_source"],
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+            buckets=TTFT_BUCKETS, registry=r)
+        self.ttft_by_load = Histogram(
+            "kvcache_time_to_first_token_by_load_seconds", "Time to first token by the requests in "
+            "flight in the engine when the request arrived, itself included (bands: 1, 2, 3-4, 5-8 ...)",
+            ["in_flight"], buckets=TTFT_BUCKETS, registry=r)
         if kv_bytes_per_token:
             Gauge("kvcache_kv_bytes_per_token", "KV bytes per token of the served model",
                   registry=r).set(kv_bytes_per_token)
@@ -230,12 +255,15 @@ class ServingMetrics:
         self.requests.labels(slowest).inc()
         if outcome.ttft_s is not None:
             self.ttft.labels(slowest).observe(outcome.ttft_s)
+            if outcome.in_flight >= 1:
+                self.ttft_by_load.labels(in_flight_band(outcome.in_flight)).observe(outcome.ttft_s)
         if self.kv_bytes_per_token:
             self.request_kv_bytes.observe(self.kv_bytes_of(outcome.prompt_tokens + outcome.generated_tokens))
 
 
-def outcome_from_output(out, generated: int, ttft_s: Optional[float]) -> RequestOutcome:
-    """Build a ``RequestOutcome`` from vLLM's final ``RequestOutput`` of a request."""
+def outcome_from_output(out, generated: int, ttft_s: Optional[float], in_flight: int = 0) -> RequestOutcome:
+    """Build a ``RequestOutcome`` from vLLM's final ``RequestOutput`` of a request;
+    ``in_flight``: the engine's requests in flight when it arrived (0: not known)."""
     params = getattr(out, "kv_transfer_params", None) or {}
     loaded = params.get("kvcache_loaded_tokens") or {}
     return RequestOutcome(
@@ -244,6 +272,7 @@ def outcome_from_output(out, generated: int, ttft_s: Optional[float]) -> Request
         cached_tokens=int(getattr(out, "num_cached_tokens", None) or 0),
         loaded={str(k): int(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {},
         ttft_s=ttft_s,
+        in_flight=in_flight,
     )
 
 

@@ -214,3 +214,15 @@ def test_parse_refuses_unknown_names():
         capacity.parse(["--workloads", "nope"])
     a = capacity.parse(["--quick"])
     assert (a.workloads, a.configs, a.users) == (["chat"], ["vllm-alone", "ours"], [2, 4])
+
+
+def test_dashboard_text_is_the_curve_and_users_at_each_slo():
+    pts = {"8": {"ttft_p90": 0.5}, "16": {"ttft_p90": 3.0}}
+    result = {"run": {"slo_s": 2.0, "slos": [2.0, 0.4], "scale": "tiny scale", "started": "then",
+                      "configs": ["vllm-alone", "limit"]},
+              "workloads": {"rag": {"vllm-alone": {"points": pts}, "limit": {"points": {"8": {"ttft_p90": 0.25}}}}}}
+    text = capacity.dashboard_text(result)
+    assert "tiny scale; started then" in text and "not this deployment" in text
+    assert "| configuration | 8 users | 16 users | p90 <= 2 s | p90 <= 0.4 s |" in text
+    assert "| vllm-alone | 0.50 | 3.00 | 8 (≈13) | < 8 |" in text
+    assert "| limit | 0.25 | – | >= 8 | >= 8 |" in text   # a point it did not run: a dash

@@ -773,9 +773,15 @@ def test_metrics(server):
                  "kvcache:misses_total",
                  "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
                  "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
+                 "kvcache_time_to_first_token_by_load_seconds_bucket",
                  "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
+    # one request alone: the live capacity curve counts it in the band of 1 request in flight
+    alone = 'in_flight="1"'
+    before = server.metric("kvcache_time_to_first_token_by_load_seconds_count", alone)
+    assert server.post({"prompt": "capacity curve, one request alone", "max_tokens": 2}).status_code == 200
+    assert server.metric("kvcache_time_to_first_token_by_load_seconds_count", alone) == before + 1
     assert server.tier_metric("used_bytes", "dram", wait_for=1) > 0
     assert server.tier_metric("capacity_bytes", "dram", wait_for=1) == 16 * 2**20
     assert server.tier_metric("bytes_written", "dram", wait_for=1) > 0
