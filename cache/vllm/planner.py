@@ -29,10 +29,16 @@ RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
 class LoadPlanner:
     def __init__(self, tier_names: Sequence[str], synchronous: set[str], block_size: int,
                  bytes_per_block: int = 0, decide: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kind_bytes: Sequence[int] = ()) -> None:
         """``bytes_per_block``: KV bytes of one block, every layer, on one rank (0:
         unknown, then every hit loads everything: no cost can be estimated); ``decide``
-        False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``, hybrid models)."""
+        False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``). ``kind_bytes``:
+        a hybrid model's bytes of a block of each entry kind (``groups.kind_block_bytes``,
+        full attention first: a token's bytes, in the rates reported; ``plan`` is given each
+        entry's bytes); empty, or one missing: unknown, every hit loads everything."""
+        self.kind_bytes = tuple(kind_bytes) if all(kind_bytes) else ()
+        if kind_bytes:
+            bytes_per_block = self.kind_bytes[0] if self.kind_bytes else 0
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.decide = decide and bytes_per_block > 0
@@ -49,19 +55,28 @@ class LoadPlanner:
 
     # -- deciding ------------------------------------------------------------------
     def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int,
-             inline: bool = False) -> Plan:
+             inline: bool = False, entry_bytes: Optional[Sequence[int]] = None) -> Plan:
         """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
         as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``.
         ``inline``: no other request is running: every load runs before the forward
-        pass (``cache.cost.choose``)."""
+        pass (``cache.cost.choose``).
+
+        ``entry_bytes``: a hybrid model's hit (``cache.vllm.hits``): ``spans`` are its
+        entries, ordered by end, the last ending where the hit does, with their bytes;
+        they serve the hit only together, so the plan loads all of them or none, and
+        always asynchronously (vLLM 0.32 takes a load failure of a model with several KV
+        cache groups only for a request waiting on an asynchronous load)."""
         b = self.block_size
+        synchronous, whole = (set(), True) if entry_bytes is not None else (self.synchronous, False)
+        inline = inline and not whole
         if not self.decide:  # load everything
-            sync = inline or all(t in self.synchronous for _, _, t in spans)
+            sync = inline or all(t in synchronous for _, _, t in spans)
             plan = Plan(len(spans), len(spans), "sync" if sync else "async")
         else:
             # a load reads whole entries (the blocks of vLLM's own hit too)
-            chunks = [ChunkCost(s, e, tier, (-(-e // b) - s // b) * self.bytes_per_block) for s, e, tier in spans]
-            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, self.synchronous, inline)
+            sizes = entry_bytes or [(-(-e // b) - s // b) * self.bytes_per_block for s, e, _ in spans]
+            chunks = [ChunkCost(s, e, tier, n) for (s, e, tier), n in zip(spans, sizes)]
+            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole)
         with self._lock:
             self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
         return plan
