@@ -183,7 +183,8 @@ def deadline(estimate: float, recompute: Optional[float]) -> float:
 
 
 def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dict[str, TierRate],
-           prefill: PrefillRate, synchronous: set[str], inline: bool = False, whole: bool = False) -> Plan:
+           prefill: PrefillRate, synchronous: set[str], inline: bool = False, whole: bool = False,
+           round_trip: float = ASYNC_ROUND_TRIP_S) -> Plan:
     """The fastest plan for a request of ``n_tokens`` whose first ``computed`` tokens are
     already in vLLM's blocks and whose next ``chunks`` were found in the tiers (their
     ``end`` at most ``n_tokens - 1``: the last token is always computed).
@@ -195,7 +196,8 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
     deadline either way. ``whole``: the chunks are one hit's entries that only serve it
     together (a hybrid model's full-attention chain and the windows before its end):
     load them all or recompute, no prefix in between; the last chunk's ``end`` is the
-    hit's."""
+    hit's. ``round_trip``: what an asynchronous load adds to the request's first token
+    past the load itself."""
     found = len(chunks)
     if not chunks:
         return Plan(0, 0, "none")
@@ -214,7 +216,7 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
         # one load: latency once per tier (each tier's fit is known: checked above)
         load = sum(tiers[t].seconds(n) or 0.0 for t, n in nbytes.items())
         sync = inline or all(c.tier in synchronous for c in chunks[:j])
-        ttft = load + compute[j] + (0.0 if sync else ASYNC_ROUND_TRIP_S)
+        ttft = load + compute[j] + (0.0 if sync else round_trip)
         if not whole or j == found:
             plans.append((ttft, j, "sync" if sync else "async", load))
     full = plans[-1]

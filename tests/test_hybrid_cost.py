@@ -14,6 +14,7 @@ from cache.keys import Namespace
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
 from cache.vllm.hits import load_spans
+from cache.vllm.planner import LoadPlanner
 from cache.vllm.scheduler import SchedulerSide
 from tests.test_groups import LAYOUT, Blocks, plan, req, run_cold, tokens
 
@@ -125,3 +126,27 @@ def test_a_fast_tier_makes_a_hybrid_hit_load_asynchronously(side_and_writer):
 
 def plans(side) -> dict:
     return {k: v for k, v in side.get_stats().data.items() if k.startswith("plan:")}
+
+
+def test_what_an_asynchronous_wait_adds_is_measured_and_priced(side_and_writer):
+    """A hybrid hit cannot load synchronously: the wait for its load (engine steps, the
+    load thread's share of the cores) is part of its cost. One that took far longer than
+    its estimate makes the next hit of that size recompute."""
+    side, writer, blocks = side_and_writer
+    now = [100.0]
+    side.planner = LoadPlanner(side.tier_names, {"dram"}, B, kind_bytes=KIND_BYTES, clock=lambda: now[0])
+    p1 = tokens(1, 1500)
+    run_cold(side, writer, req("a", p1))
+    measure(side, dram_bytes_per_s=1e13)
+    first = req("first", p1)
+    assert side.get_num_new_matched_tokens(first, 0) == (1499, True)
+    side.update_state_after_alloc(first, Blocks(blocks), 1499)
+    issued(side)  # the load goes out; the request waits for it
+    now[0] += 5.0  # ... five seconds, far past the load's estimate and a 1,500-token prefill
+    side.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="first", num_computed_tokens=1499)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={"first": 1}))
+    side.request_finished(first)
+    assert side.planner.round_trip.predict((1.0,)) == pytest.approx(5.0, abs=0.01)
+    assert side.get_num_new_matched_tokens(req("second", p1), 0) == (0, False)

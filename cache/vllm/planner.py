@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
-from cache.cost import ChunkCost, Plan, PrefillRate, TierRate, attention_pairs, choose
+from cache.cost import ASYNC_ROUND_TRIP_S, ChunkCost, Fit, Plan, PrefillRate, TierRate, attention_pairs, choose
 
 RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
 
@@ -47,6 +47,9 @@ class LoadPlanner:
         self.prefill = PrefillRate(clock)
         self._decided: dict[str, Plan] = {}
         self._issued: set[str] = set()
+        # asynchronous loads issued, until their request runs: when, and their estimate
+        self._waiting: dict[str, tuple[float, float]] = {}
+        self.round_trip = Fit(1, clock)  # seconds an asynchronous load adds past its estimate
         self._counts: dict[str, float] = {}
         self._lock = threading.Lock()
         self._clock = clock
@@ -76,7 +79,9 @@ class LoadPlanner:
             # a load reads whole entries (the blocks of vLLM's own hit too)
             sizes = entry_bytes or [(-(-e // b) - s // b) * self.bytes_per_block for s, e, _ in spans]
             chunks = [ChunkCost(s, e, tier, n) for (s, e, tier), n in zip(spans, sizes)]
-            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole)
+            trip = (self.round_trip.predict((1.0,)) if whole else None) or ASYNC_ROUND_TRIP_S
+            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole,
+                          round_trip=trip)
         with self._lock:
             self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
         return plan
@@ -89,6 +94,19 @@ class LoadPlanner:
                 return
             self._issued.add(req_id)
             self._count(plan)
+            if plan.mode == "async" and plan.estimate_s is not None:
+                self._waiting[req_id] = (self._clock(), plan.estimate_s)
+
+    def ran(self, req_ids: Iterable[str]) -> None:
+        """These requests run in this step: for those that waited on an asynchronous load
+        the cost model priced, the wait beyond its estimate is a sample of what such a
+        load adds to a request's first token (engine steps, the load thread's share of
+        the cores); a hybrid hit, always asynchronous, is priced with it."""
+        now = self._clock()
+        with self._lock:
+            for req_id in self._waiting.keys() & set(req_ids):
+                issued, estimate = self._waiting.pop(req_id)
+                self.round_trip.add((1.0,), max(0.0, now - issued - estimate))
 
     def finished(self, req_id: str) -> None:
         """The request is gone; a plan that loaded nothing is counted now."""
@@ -97,6 +115,7 @@ class LoadPlanner:
             if plan is not None and req_id not in self._issued and plan.path == "recompute":
                 self._count(plan)
             self._issued.discard(req_id)
+            self._waiting.pop(req_id, None)
 
     def _count(self, plan: Plan) -> None:
         key = f"{plan.path}.requests"

@@ -306,6 +306,7 @@ class SchedulerSide:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}
+        self.planner.ran(self._running)  # (the wait of asynchronous loads, measured)
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
         while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
