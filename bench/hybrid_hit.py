@@ -17,8 +17,8 @@ repeat, with a fresh prompt:
 
 TTFT is the wall time of one ``max_tokens=1`` request. Reports medians and the ratios
 disk_hit / vllm_hit and disk_hit / recompute, and how each disk_hit was served (tokens
-loaded per tier, or the explanation's cause). Writes ``bench/results/hybrid_hit.json``
-and ``.md`` (``--tag`` adds a suffix: before/after runs side by side).
+loaded per tier, or the explanation's cause). Writes ``hybrid_hit[_TAG].json`` and
+``.md`` under ``bench/results/`` (``--tag``: before/after runs side by side).
 """
 
 from __future__ import annotations
