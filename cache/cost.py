@@ -183,7 +183,8 @@ def deadline(estimate: float, recompute: Optional[float]) -> float:
 
 
 def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dict[str, TierRate],
-           prefill: PrefillRate, synchronous: set[str], inline: bool = False) -> Plan:
+           prefill: PrefillRate, synchronous: set[str], inline: bool = False, whole: bool = False,
+           round_trip: float = ASYNC_ROUND_TRIP_S) -> Plan:
     """The fastest plan for a request of ``n_tokens`` whose first ``computed`` tokens are
     already in vLLM's blocks and whose next ``chunks`` were found in the tiers (their
     ``end`` at most ``n_tokens - 1``: the last token is always computed).
@@ -192,7 +193,11 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
     touches any other tier is asynchronous (it costs the request one engine step more),
     unless ``inline``: nothing else is running, so every load runs before the forward
     pass (it would stall no other request). Loads from the other tiers keep their
-    deadline either way."""
+    deadline either way. ``whole``: the chunks are one hit's entries that only serve it
+    together (a hybrid model's full-attention chain and the windows before its end):
+    load them all or recompute, no prefix in between; the last chunk's ``end`` is the
+    hit's. ``round_trip``: what an asynchronous load adds to the request's first token
+    past the load itself."""
     found = len(chunks)
     if not chunks:
         return Plan(0, 0, "none")
@@ -211,8 +216,9 @@ def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dic
         # one load: latency once per tier (each tier's fit is known: checked above)
         load = sum(tiers[t].seconds(n) or 0.0 for t, n in nbytes.items())
         sync = inline or all(c.tier in synchronous for c in chunks[:j])
-        ttft = load + compute[j] + (0.0 if sync else ASYNC_ROUND_TRIP_S)
-        plans.append((ttft, j, "sync" if sync else "async", load))
+        ttft = load + compute[j] + (0.0 if sync else round_trip)
+        if not whole or j == found:
+            plans.append((ttft, j, "sync" if sync else "async", load))
     full = plans[-1]
     fastest = min(plans, key=lambda p: (p[0], -p[1]))
     gain = full[0] - fastest[0]

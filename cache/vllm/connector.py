@@ -47,7 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cache.assembly import validate
 from cache.config import check_block_size, config_from_connector
-from cache.vllm.groups import group_layout
+from cache.vllm.groups import group_layout, kind_block_bytes
 from cache.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.namespace import engine_namespace, weights_id
 from cache.vllm.off import CacheOff, context_parallel_reason
@@ -136,7 +136,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                        lambda: self._kv_cache_manager, layout,
                                                        vllm_config.cache_config.prefix_cache_retention_interval,
                                                        bytes_per_block(kv_cache_config), pinner,
-                                                       tier_curves(config, entry_bytes * world), popularity)
+                                                       tier_curves(config, entry_bytes * world), popularity,
+                                                       kind_block_bytes(kv_cache_config, layout))
             if popularity is not None:  # this node's popularity note, in every rank's shared folder
                 self.popularity = Publisher(popularity, [v.shared for v in side.views])
                 self.popularity.start()

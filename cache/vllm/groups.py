@@ -196,6 +196,15 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
     return GroupLayout(tuple(kinds), block_size)
 
 
+def kind_block_bytes(kv_cache_config, layout: GroupLayout) -> tuple[int, ...]:
+    """KV bytes of one block of each entry kind on one rank (every layer of its groups),
+    from vLLM's ``KVCacheConfig``: what the scheduler's cost model prices a load with.
+    Empty when the cache is off for the model."""
+    groups = kv_cache_config.kv_cache_groups
+    return tuple(sum(int(groups[g].kv_cache_spec.page_size_bytes) * len(groups[g].layer_names)
+                     for g in kind.group_ids) for kind in layout.kinds)
+
+
 def null_block(kv_cache_manager) -> int:
     """vLLM's null block id: what a sliding-window group's freed blocks show as."""
     pool = getattr(kv_cache_manager, "block_pool", None)

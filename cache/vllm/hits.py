@@ -97,3 +97,26 @@ def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: i
         out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n,
                            tier=tier_names[x.tier]))
     return planned, out
+
+
+def load_spans(layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes: Sequence[int],
+               tier_names: Sequence[str]) -> tuple[list[tuple[int, int, str]], Optional[list[int]]]:
+    """A hit's loads for the cost model (``LoadPlanner.plan``): per chunk to load, its
+    tokens in the hit and its tier, in order (bytes: None, the planner's per block).
+
+    A hybrid model's hit serves only whole (its full-attention chain and the windows
+    before its end): per entry to load, its chunk's tokens in the hit and its tier,
+    ordered by end (the last ends where the hit does), and the bytes it reads (a load
+    reads whole entries: a window entry holds only its chunk's blocks under the window;
+    ``kind_bytes``: per block of each kind, empty when unknown)."""
+    if not layout.hybrid:
+        return [(chunks[x.chunk].start, min(chunks[x.chunk].end, plan.hit_end), tier_names[x.tier])
+                for x in plan.loads], None
+    B = layout.block_size
+    spans, sizes = [], []
+    for x in sorted(plan.loads, key=lambda x: (min(chunks[x.chunk].end, plan.hit_end), x.kind)):
+        c = chunks[x.chunk]
+        first, last = layout.kinds[x.kind].blocks(c.start, c.end, B)
+        spans.append((c.start, min(c.end, plan.hit_end), tier_names[x.tier]))
+        sizes.append((last - first) * (kind_bytes[x.kind] if kind_bytes else 0))
+    return spans, sizes

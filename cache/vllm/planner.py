@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
-from cache.cost import ChunkCost, Plan, PrefillRate, TierRate, attention_pairs, choose
+from cache.cost import ASYNC_ROUND_TRIP_S, ChunkCost, Fit, Plan, PrefillRate, TierRate, attention_pairs, choose
 
 RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
 
@@ -29,10 +29,16 @@ RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
 class LoadPlanner:
     def __init__(self, tier_names: Sequence[str], synchronous: set[str], block_size: int,
                  bytes_per_block: int = 0, decide: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kind_bytes: Sequence[int] = ()) -> None:
         """``bytes_per_block``: KV bytes of one block, every layer, on one rank (0:
         unknown, then every hit loads everything: no cost can be estimated); ``decide``
-        False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``, hybrid models)."""
+        False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``). ``kind_bytes``:
+        a hybrid model's bytes of a block of each entry kind (``groups.kind_block_bytes``,
+        full attention first: a token's bytes, in the rates reported; ``plan`` is given each
+        entry's bytes); empty, or one missing: unknown, every hit loads everything."""
+        self.kind_bytes = tuple(kind_bytes) if all(kind_bytes) else ()
+        if kind_bytes:
+            bytes_per_block = self.kind_bytes[0] if self.kind_bytes else 0
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.decide = decide and bytes_per_block > 0
@@ -41,6 +47,9 @@ class LoadPlanner:
         self.prefill = PrefillRate(clock)
         self._decided: dict[str, Plan] = {}
         self._issued: set[str] = set()
+        # asynchronous loads issued, until their request runs: when, and their estimate
+        self._waiting: dict[str, tuple[float, float]] = {}
+        self.round_trip = Fit(1, clock)  # seconds an asynchronous load adds past its estimate
         self._counts: dict[str, float] = {}
         self._lock = threading.Lock()
         self._clock = clock
@@ -49,19 +58,30 @@ class LoadPlanner:
 
     # -- deciding ------------------------------------------------------------------
     def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int,
-             inline: bool = False) -> Plan:
+             inline: bool = False, entry_bytes: Optional[Sequence[int]] = None) -> Plan:
         """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
         as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``.
         ``inline``: no other request is running: every load runs before the forward
-        pass (``cache.cost.choose``)."""
+        pass (``cache.cost.choose``).
+
+        ``entry_bytes``: a hybrid model's hit (``cache.vllm.hits``): ``spans`` are its
+        entries, ordered by end, the last ending where the hit does, with their bytes;
+        they serve the hit only together, so the plan loads all of them or none, and
+        always asynchronously (vLLM 0.32 takes a load failure of a model with several KV
+        cache groups only for a request waiting on an asynchronous load)."""
         b = self.block_size
+        synchronous, whole = (set(), True) if entry_bytes is not None else (self.synchronous, False)
+        inline = inline and not whole
         if not self.decide:  # load everything
-            sync = inline or all(t in self.synchronous for _, _, t in spans)
+            sync = inline or all(t in synchronous for _, _, t in spans)
             plan = Plan(len(spans), len(spans), "sync" if sync else "async")
         else:
             # a load reads whole entries (the blocks of vLLM's own hit too)
-            chunks = [ChunkCost(s, e, tier, (-(-e // b) - s // b) * self.bytes_per_block) for s, e, tier in spans]
-            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, self.synchronous, inline)
+            sizes = entry_bytes or [(-(-e // b) - s // b) * self.bytes_per_block for s, e, _ in spans]
+            chunks = [ChunkCost(s, e, tier, n) for (s, e, tier), n in zip(spans, sizes)]
+            trip = (self.round_trip.predict((1.0,)) if whole else None) or ASYNC_ROUND_TRIP_S
+            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole,
+                          round_trip=trip)
         with self._lock:
             self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
         return plan
@@ -74,6 +94,19 @@ class LoadPlanner:
                 return
             self._issued.add(req_id)
             self._count(plan)
+            if plan.mode == "async" and plan.estimate_s is not None:
+                self._waiting[req_id] = (self._clock(), plan.estimate_s)
+
+    def ran(self, req_ids: Iterable[str]) -> None:
+        """These requests run in this step: for those that waited on an asynchronous load
+        the cost model priced, the wait beyond its estimate is a sample of what such a
+        load adds to a request's first token (engine steps, the load thread's share of
+        the cores); a hybrid hit, always asynchronous, is priced with it."""
+        now = self._clock()
+        with self._lock:
+            for req_id in self._waiting.keys() & set(req_ids):
+                issued, estimate = self._waiting.pop(req_id)
+                self.round_trip.add((1.0,), max(0.0, now - issued - estimate))
 
     def finished(self, req_id: str) -> None:
         """The request is gone; a plan that loaded nothing is counted now."""
@@ -82,6 +115,7 @@ class LoadPlanner:
             if plan is not None and req_id not in self._issued and plan.path == "recompute":
                 self._count(plan)
             self._issued.discard(req_id)
+            self._waiting.pop(req_id, None)
 
     def _count(self, plan: Plan) -> None:
         key = f"{plan.path}.requests"

@@ -30,6 +30,7 @@ Hybrid models (``cache.vllm.groups``): each chunk has an entry per entry kind (f
 attention under the chunk key, sliding windows only at checkpoints); ``cache.vllm.hits``
 finds the longest hit every kind can serve and plans its loads, which are always
 asynchronous (vLLM takes only whole-request load failures for several KV cache groups).
+The cost model decides them too, all or nothing: a hit's entries serve it only together.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from cache.keys import Namespace, prompt_chunks
 from cache.popularity import Popularity
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
-from cache.vllm.hits import entry, find_hit, plan_loads
+from cache.vllm.hits import entry, find_hit, load_spans, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.namespace import Salts
@@ -102,9 +103,10 @@ class SchedulerSide:
                  kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
                  retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
                  pinner: Optional[Pinner] = None, curves: Optional[Curves] = None,
-                 popularity: Optional[Popularity] = None) -> None:
+                 popularity: Optional[Popularity] = None, kind_bytes: tuple[int, ...] = ()) -> None:
         """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown);
-        ``popularity``: counts each request's chunks for the shared tier's notes (``cache.popularity``)."""
+        ``popularity``: counts each request's chunks for the shared tier's notes (``cache.popularity``);
+        ``kind_bytes``: per entry kind, bytes of a block (``groups.kind_block_bytes``; hybrid models)."""
         self.config = config
         self.pinner = pinner  # pins requests ask for (cache.vllm.pinning), None: none taken
         self.curves = curves or Curves({}, config.policy)  # miss-ratio curves (cache.curves)
@@ -125,8 +127,8 @@ class SchedulerSide:
         self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         # Load or recompute, per request, from costs measured online (cache.cost).
         self.planner = LoadPlanner(self.tier_names, {t.name for t in specs if t.synchronous}, block_size,
-                                   bytes_per_block=bytes_per_block,
-                                   decide=config.load_decision == "cost" and not self.layout.hybrid)
+                                   bytes_per_block=bytes_per_block, decide=config.load_decision == "cost",
+                                   kind_bytes=kind_bytes if self.layout.hybrid else ())
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])       # the first request (which would then wait for it)
         self._kv_manager = kv_cache_manager_getter
@@ -206,7 +208,7 @@ class SchedulerSide:
         # DRAM loads run before the forward pass; a chunk from another tier makes the load
         # asynchronous, unless no other request runs (then it stalls nobody, and waiting
         # would only add engine steps). Hybrid models' loads are always asynchronous:
-        # vLLM takes only request-level load failures for them.
+        # vLLM takes only request-level load failures for them (``LoadPlanner.plan``).
         inline = not self.layout.hybrid and not (self._running - {request.request_id})
         plan, cost = self._cost_cut(request.request_id, st, plan, num_computed_tokens, inline)
         if plan is None:
@@ -221,19 +223,18 @@ class SchedulerSide:
 
     def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int, inline: bool):
         """The part of ``plan`` worth loading (``cache.cost``): all of it, a prefix of its
-        chunks, or nothing (None: recompute); and the cost model's plan. Hybrid models
-        load the whole hit (the planner has no cost for their windows)."""
-        spans = [(st.chunks[x.chunk].start, min(st.chunks[x.chunk].end, plan.hit_end), self.tier_names[x.tier])
-                 for x in plan.loads]
-        cost = self.planner.plan(req_id, spans, st.n_tokens, computed, inline)
+        chunks, or nothing (None: recompute); and the cost model's plan. A hybrid model's
+        hit loads whole or not at all (``hits.load_spans``)."""
+        spans, sizes = load_spans(self.layout, plan, st.chunks, self.planner.kind_bytes, self.tier_names)
+        cost = self.planner.plan(req_id, spans, st.n_tokens, computed, inline, entry_bytes=sizes)
         if cost.chunks >= len(plan.loads):
             return plan, cost
-        if cost.chunks == 0:
+        if cost.chunks == 0:  # (a hybrid hit's plan: all or nothing)
             cut = None
         else:
             last = plan.loads[cost.chunks - 1].chunk
             cut = HitPlan(last + 1, min(st.chunks[last].end, st.n_tokens - 1), plan.loads[:cost.chunks])
-        self.explain.chose_recompute(st.why, plan.loads[cost.chunks].chunk)
+        self.explain.chose_recompute(st.why, min(x.chunk for x in plan.loads[cost.chunks:]))
         return cut, cost
 
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
@@ -305,6 +306,7 @@ class SchedulerSide:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}
+        self.planner.ran(self._running)  # (the wait of asynchronous loads, measured)
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
         now = time.monotonic()
         while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
