@@ -57,7 +57,7 @@ def build_tiers(config: CacheConfig, namespace_id: str,
         else:
             assert spec.capacity is not None  # (only the shared tier has none)
             tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
-                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads))
+                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads, medium=spec.id.medium))
     return tiers
 
 
