@@ -131,6 +131,8 @@ class TieredStore:
     def stats(self) -> StoreStats:
         return self.account.stats
 
+    # ``on_event`` and ``timer`` are given to the constructor; tests replace the sink, and a
+    # benchmark's timer is set once the engine built the store (``WorkerSide.set_timer``).
     @property
     def on_event(self) -> Optional[EventSink]:
         return self.account.on_event
@@ -150,11 +152,6 @@ class TieredStore:
     @property
     def pins(self) -> Optional[PinBook]:
         return self.writer.pins if self.writer is not None else None
-
-    @pins.setter
-    def pins(self, pins: Optional[PinBook]) -> None:
-        if self.writer is not None:
-            self.writer.pins = pins
 
     # -- lookup (scheduler path: cheap, never reads payloads) -----------------
     def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[int]:
