@@ -25,6 +25,7 @@ from cache.store.background import Background
 from cache.store.placement import Layout, place_hit
 from cache.store.writer import TierWriter
 from cache.tiers.base import Buffer, Tier
+from cache.tiers.identity import TierId
 
 # ``get_into``'s answer when the entry may be in a tier it does not read in place.
 ELSEWHERE = "elsewhere"
@@ -39,7 +40,7 @@ class Entry:
     key: str
     info: EntryInfo
     payload: memoryview
-    tier: int                 # index of the tier it was read from
+    tier: TierId              # the tier it was read from
     raw: Optional[Buffer] = None  # the whole encoded entry (keeps mmaps alive; used to promote)
 
 
@@ -57,8 +58,8 @@ class Reads:
         self.timer = timer
 
     def remote(self, i: int) -> bool:
-        """Whether tier ``i`` is the shared one."""
-        return i >= self.layout.n_local
+        """Whether tier ``i`` is the shared one (its identity says so: ``Tier.id``)."""
+        return self.tiers[i].id.shared
 
     def get(self, key: str, promote: bool = True) -> Optional[Entry]:
         """The verified entry from the highest tier holding it, or None."""
@@ -82,7 +83,7 @@ class Reads:
                 self.timer("read", t1 - t0)
                 self.timer("decode", t2 - t1)
             self.hit(i, key, info, t2 - t0, raw, promote)
-            return Entry(key, info, payload, i, raw)
+            return Entry(key, info, payload, tier.id, raw)
         self._miss()
         return None
 
@@ -209,20 +210,21 @@ class Reads:
 
 
 class EntryRead:
-    """An entry being read in place from tier ``tier`` of ``reads``, a part at a time
+    """An entry being read in place from tier ``index`` of ``reads`` (``tier``: its identity), a part at a time
     (``TieredStore.read_layers``). Runs on the thread that calls ``step``: a read thread,
     or a load's own thread for a local tier; it blocks on that part's I/O (a shared
     tier's read: within the tier's deadline)."""
 
-    def __init__(self, reads: Reads, tier: int, key: str, read: PartRead, writers: BlockWriters,
+    def __init__(self, reads: Reads, index: int, key: str, read: PartRead, writers: BlockWriters,
                  keep: bool) -> None:
-        self.reads, self.tier, self.key, self.read, self.writers = reads, tier, key, read, writers
+        self.reads, self.index, self.key, self.read, self.writers = reads, index, key, read, writers
+        self.tier: TierId = reads.tiers[index].id  # the tier it is read from
         self.keep = keep
         self.seconds = 0.0  # time spent reading, for the tier's statistics
 
     @property
     def remote(self) -> bool:
-        return self.reads.remote(self.tier)
+        return self.tier.shared
 
     def use(self, reader, whole: bool):
         """Inside the tier's ``read_with``: open the entry (the first call) or check it is
@@ -256,7 +258,7 @@ class EntryRead:
         replaced, or the tier failed: counted, and the chunk's event sent). Once
         ``read.done`` the entry is whole and verified, and counted as a hit. Raises
         ``LoadEnded``."""
-        reads, tier = self.reads, self.reads.tiers[self.tier]
+        reads, tier = self.reads, self.reads.tiers[self.index]
         t0 = time.perf_counter()
         try:
             raw = tier.read_with(self.key, lambda reader: self.use(reader, False))
@@ -266,12 +268,12 @@ class EntryRead:
             reads.account.note(self.key, "missing", "none")
             return False
         except CorruptEntry as e:
-            reads.drop_bad(self.tier, self.key, e)
+            reads.drop_bad(self.index, self.key, e)
             return False
         except Exception as e:  # a tier failing must not fail the request
             reads.account.failed(tier, "reading", self.key, e)
             return False
         self.seconds += time.perf_counter() - t0
         if self.read.done:
-            reads.hit(self.tier, self.key, self.read.info, self.seconds, raw, True)
+            reads.hit(self.index, self.key, self.read.info, self.seconds, raw, True)
         return True

@@ -65,6 +65,7 @@ from cache.store.publisher import Publisher
 from cache.store.reads import ELSEWHERE, Entry, Reads, Timer
 from cache.store.writer import TierWriter
 from cache.tiers.base import Buffer, Tier
+from cache.tiers.identity import TierId
 
 log = logging.getLogger("cache.store")
 
@@ -187,9 +188,9 @@ class TieredStore:
                  local_only: bool = False):
         """Like ``get``, for tiers that read entries in place (files, local or shared):
         the payload is read straight into the buffers ``place(info)`` returns and
-        verified there (``cache.placed``). Returns ``(tier index, info)``; None when no
-        tier holds a sound entry (a miss, counted; after a damaged entry the buffers
-        hold garbage); ``ELSEWHERE`` when a tier that cannot (or, ``local_only``, the
+        verified there (``cache.placed``). Returns ``(tier, info)``, ``tier`` the ``TierId``
+        read from; None when no tier holds a sound entry (a miss, counted; after a damaged
+        entry the buffers hold garbage); ``ELSEWHERE`` when a tier that cannot (or, ``local_only``, the
         shared tier) may hold it: the caller then uses ``get`` or another thread.
         ``writers``: the load's ``BlockWriters``; once closed, nothing more is written
         into its buffers (``LoadEnded``). An entry that does not fit the caller
@@ -305,14 +306,13 @@ class TieredStore:
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 
-    def note_loaded(self, tier: int, tokens: int, key: str = "", planned: str = "") -> None:
-        """``tokens`` prompt tokens were served from tier ``tier`` (an ``Entry.tier``); when
-        the load of ``key`` was planned from another tier (``planned``, by name), the
-        scheduler is told which served it (``served``: a bad copy above was passed over)."""
-        name = self.tiers[tier].name
-        self.stats.tiers[name].tokens_loaded += tokens
-        if planned and planned != name:
-            self.account.note(key, "served", name)
+    def note_loaded(self, tier: TierId, tokens: int, key: str = "", planned: str = "") -> None:
+        """``tokens`` prompt tokens were served from ``tier`` (an ``Entry.tier``); when the load
+        of ``key`` was planned from another tier (``planned``, by name), the scheduler is told
+        which served it (``served``: a bad copy above was passed over)."""
+        self.stats.tiers[tier.name].tokens_loaded += tokens
+        if planned and planned != tier.name:
+            self.account.note(key, "served", tier.name)
 
     def recheck_shared(self, keys: Sequence[str]) -> None:
         """``keys`` were just stored by this engine: the shared tier asks about them again."""
