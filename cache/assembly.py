@@ -57,7 +57,7 @@ def build_tiers(config: CacheConfig, namespace_id: str,
         else:
             assert spec.capacity is not None  # (only the shared tier has none)
             tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
-                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads))
+                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads, medium=spec.id.medium))
     return tiers
 
 
@@ -79,17 +79,18 @@ def lookup_view(config: CacheConfig, namespace: Namespace) -> TieredStore:
 
 def writer_store(config: CacheConfig, namespace: Namespace, *,
                  thread_setup: Optional[Callable[[str], None]] = None,
-                 timer: Optional[Callable[[str, float], None]] = None) -> TieredStore:
+                 timer: Optional[Callable[[str, float], None]] = None,
+                 on_event: Optional[Callable[[str, str, str], None]] = None) -> TieredStore:
     """A store that reads and writes: one policy per local tier; upper tiers demote what
     they evict, so their policy takes every chunk, and the last local tier's evictions
-    are final, so its policy also judges admission."""
+    are final, so its policy also judges admission. Eviction passes over the pins of the
+    last local tier's folder; ``on_event(key, event, tier)`` hears what happens to chunks."""
     specs = config.tiers()
     policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
-    store = TieredStore(build_tiers(config, namespace.id, thread_setup), namespace.digest, policies,
-                        signing_key=config.signing_key.encode(), io_threads=config.io_threads,
-                        shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer)
-    store.pins = pin_book(config, namespace.id)
-    return store
+    return TieredStore(build_tiers(config, namespace.id, thread_setup), namespace.digest, policies,
+                       signing_key=config.signing_key.encode(), io_threads=config.io_threads,
+                       shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer,
+                       on_event=on_event, pins=pin_book(config, namespace.id))
 
 
 def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:

@@ -46,6 +46,7 @@ from cache.errors import ConfigError
 from cache.flags import parse_bool
 from cache.prompts import read_prompt_file
 from cache.sizes import disk_tier_bytes, memory_limit, parse_size
+from cache.tiers.identity import DISK, DRAM, SHARED, TierId
 from cache.weights import MODES as WEIGHTS_HASHES
 
 __all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
@@ -81,7 +82,8 @@ DEPRECATED = {
 class TierSpec:
     """One enabled tier and its role, as the configuration decides it."""
 
-    name: str                 # "dram", "disk" or "shared": its label in logs and metrics
+    id: TierId                # name ("dram", "disk", "shared": its label in logs and metrics),
+                              # medium, locality (cache.tiers.identity)
     level: str                # "L1", "L2", "L3"
     location: str             # folder, or the shared tier's URL
     capacity: Optional[int]   # bytes; None: the backend manages its space (shared)
@@ -91,7 +93,15 @@ class TierSpec:
     direct_reads: bool        # entries not in the page cache read with O_DIRECT (disk)
     last_local: bool          # the last local tier: its evictions are final, so its policy
                               # also judges admission
-    shared: bool              # published to by rule, never evicted from by us
+
+    @property
+    def name(self) -> str:
+        return self.id.name
+
+    @property
+    def shared(self) -> bool:
+        """Published to by rule, never evicted from by us (``TierId.shared``)."""
+        return self.id.shared
 
 
 @dataclass(frozen=True)
@@ -163,16 +173,16 @@ class CacheConfig:
 
     def tiers(self) -> tuple[TierSpec, ...]:
         """The enabled tiers, fastest first; the shared tier, if any, last."""
-        local = [("dram", "L1", self.dram_path, self.dram_bytes, True),
-                 ("disk", "L2", self.disk_path, self.disk_bytes, False)]
+        local = [(DRAM, "L1", self.dram_path, self.dram_bytes, True),
+                 (DISK, "L2", self.disk_path, self.disk_bytes, False)]
         local = [t for t in local if t[3]]
-        specs = [TierSpec(name, level, path, size, synchronous=memory, mapped=memory,
+        specs = [TierSpec(tier, level, path, size, synchronous=memory, mapped=memory,
                           direct_reads=not memory and self.disk_direct_reads,
-                          last_local=i == len(local) - 1, shared=False)
-                 for i, (name, level, path, size, memory) in enumerate(local)]
+                          last_local=i == len(local) - 1)
+                 for i, (tier, level, path, size, memory) in enumerate(local)]
         if self.shared_url:
-            specs.append(TierSpec("shared", "L3", self.shared_url, None, synchronous=False,
-                                  mapped=False, direct_reads=False, last_local=False, shared=True))
+            specs.append(TierSpec(SHARED, "L3", self.shared_url, None, synchronous=False,
+                                  mapped=False, direct_reads=False, last_local=False))
         return tuple(specs)
 
     def to_dict(self) -> dict[str, Any]:

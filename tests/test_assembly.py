@@ -18,3 +18,24 @@ def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path
     dram, disk = side.store.policies[:2]
     assert isinstance(dram, PrefixAdaptivePolicy) and not dram.last_tier and disk.last_tier
     side.shutdown()
+
+
+def test_each_tier_carries_the_identity_the_configuration_names(tmp_path):
+    """A tier is named once (issue 29 item 3): the configuration's ``TierSpec.id`` and the
+    built tier's ``id`` are the same name, medium and locality; the protocol's ``up`` is
+    declared on every tier (the scheduler reads it)."""
+    from cache.assembly import build_tiers
+    from cache.config import build_cache_config
+    from cache.tiers.identity import DISK, DRAM, SHARED
+
+    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
+                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",
+                              "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3"})
+    specs, tiers = cfg.tiers(), build_tiers(cfg, "ns")
+    try:
+        assert [s.id for s in specs] == [t.id for t in tiers] == [DRAM, DISK, SHARED]
+        assert [s.shared for s in specs] == [t.shared for t in tiers] == [False, False, True]
+        assert all(t.up for t in tiers)
+    finally:
+        for t in tiers:
+            t.close()

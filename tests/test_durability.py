@@ -37,7 +37,7 @@ def test_reused_chunks_land_on_disk_and_survive_an_empty_dram_folder(tmp_path):
     fresh = store(tmp_path, dram=20 * 1300)
     assert fresh.lookup(reused) == [1, 1, 1] and fresh.lookup(once) == []
     e = fresh.get(reused[0])
-    assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
+    assert e.tier.name == "disk" and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
     fresh.close()
 
 

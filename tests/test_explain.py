@@ -71,7 +71,7 @@ def test_hit_miss_and_the_last_token(setup):
 
 def evict(writer, i, key):
     """Evict ``key`` from local tier ``i`` as its policy would (demoted, or dropped from the last)."""
-    writer._evict(i, key)  # noqa: SLF001 (issue 29 item 1: eviction becomes a plan the writer executes)
+    writer.writer.evict(i, key)
 
 
 def test_evicted_not_admitted_and_after_miss(setup):

@@ -13,6 +13,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 
+from cache.tiers.identity import DISK, DRAM, SHARED, Locality, Medium, tier_id
 from cache.vllm import events as ev
 from cache.vllm.events import TierEvents, chunk_blocks
 
@@ -64,7 +65,7 @@ def stored_event(events: TierEvents, tier: str, keys, rank_events=1):
 
 
 def test_stored_and_removed_per_tier_with_vllm_media():
-    events = TierEvents(["dram", "disk", "shared"], 1, B)
+    events = TierEvents([DRAM, DISK, SHARED], 1, B)
     r = request("a", TOKENS)
     events.seen(r, chunks(len(TOKENS)))
     events.apply([("k0", "stored", "dram"), ("k1", "stored", "dram"), ("k0", "evicted", "dram"),
@@ -83,7 +84,7 @@ def test_stored_and_removed_per_tier_with_vllm_media():
 
 
 def test_with_two_ranks_a_chunk_is_held_once_both_hold_it_and_gone_once_one_dropped_it():
-    events = TierEvents(["dram"], 2, B)
+    events = TierEvents([DRAM], 2, B)
     events.seen(request("a", TOKENS), chunks(len(TOKENS)))
     events.apply([("k0", "stored", "dram")])
     assert events.take() == []
@@ -99,7 +100,7 @@ def test_bounded_records_held_chunks_and_pending_events(monkeypatch):
     monkeypatch.setattr(ev, "MAX_RECORDS", 2)
     monkeypatch.setattr(ev, "MAX_HELD", 2)
     monkeypatch.setattr(ev, "MAX_PENDING", 4)
-    events = TierEvents(["dram"], 1, B)
+    events = TierEvents([DRAM], 1, B)
     events.seen(request("a", TOKENS), chunks(len(TOKENS)))
     assert list(events.recent) == ["k1", "k2"]
     for i, n in enumerate((700, 900, 1100)):
@@ -117,7 +118,7 @@ def test_bounded_records_held_chunks_and_pending_events(monkeypatch):
 
 def test_a_restart_keeps_what_is_still_there_and_announces_what_is_not(tmp_path):
     snap = str(tmp_path / ".kvevents-ns.json")
-    first = TierEvents(["dram", "disk"], 1, B, snapshot=snap)
+    first = TierEvents([DRAM, DISK], 1, B, snapshot=snap)
     r = request("a", TOKENS)
     first.seen(r, chunks(len(TOKENS)))
     first.apply([("k0", "stored", "dram"), ("k1", "stored", "disk"), ("k2", "stored", "disk")])
@@ -126,7 +127,7 @@ def test_a_restart_keeps_what_is_still_there_and_announces_what_is_not(tmp_path)
     saved = json.loads(open(snap).read())
     assert saved["block_size"] == B and "token" not in open(snap).read()  # hashes only, never tokens
     still = {("disk", "k1"), ("disk", "k2")}
-    second = TierEvents(["dram", "disk"], 1, B, snapshot=snap, present=lambda t, k: (t, k) in still)
+    second = TierEvents([DRAM, DISK], 1, B, snapshot=snap, present=lambda t, k: (t, k) in still)
     (gone,) = second.take()
     assert isinstance(gone, BlockRemoved) and gone.medium == MEDIUM_CPU and gone.block_hashes == external(r, 0, 2)
     second.apply([("k1", "evicted", "disk")])  # a chunk announced before the restart, evicted after
@@ -139,7 +140,7 @@ def test_a_restart_keeps_what_is_still_there_and_announces_what_is_not(tmp_path)
     second.apply([("unknown", "stored", "dram")])
     assert second.take() == []  # another engine's chunk: nothing known, nothing said
     second.close()
-    third = TierEvents(["dram", "disk"], 1, 64, snapshot=snap, present=lambda t, k: False)
+    third = TierEvents([DRAM, DISK], 1, 64, snapshot=snap, present=lambda t, k: False)
     assert third.take() == []  # another block size: the old hashes mean nothing here
 
 
@@ -161,14 +162,14 @@ def test_writes_finished_after_the_last_step_are_announced_by_the_next_engine(tm
     (flushed at shutdown) never reach that engine's events: the next engine announces
     every known chunk a tier holds that was not announced there (by hashes alone)."""
     snap = str(tmp_path / ".kvevents-ns.json")
-    first = TierEvents(["dram", "disk"], 1, B, snapshot=snap)
+    first = TierEvents([DRAM, DISK], 1, B, snapshot=snap)
     r = request("a", TOKENS)
     first.seen(r, chunks(len(TOKENS)))
     first.apply([("k0", "stored", "dram")])  # k0's copy down to disk, k1's save: never reported
     first.take()
     first.close()
     on_disk = {("disk", "k0"), ("disk", "k1"), ("dram", "k0")}
-    second = TierEvents(["dram", "disk"], 1, B, snapshot=snap, present=lambda t, k: (t, k) in on_disk)
+    second = TierEvents([DRAM, DISK], 1, B, snapshot=snap, present=lambda t, k: (t, k) in on_disk)
     stored = {tuple(e.block_hashes): e for e in second.take()}
     assert set(stored) == {tuple(external(r, 0, 2)), tuple(external(r, 2, 4))}
     assert all(e.medium == MEDIUM_STORAGE and e.token_ids == [] for e in stored.values())
@@ -181,7 +182,7 @@ def test_a_tier_that_cannot_say_yet_keeps_its_record_until_it_can(tmp_path):
     announces none of the shared chunks removed; the first ``take`` after it settles the
     record (what is gone removed, what was written after the last step stored)."""
     snap = str(tmp_path / ".kvevents-ns.json")
-    first = TierEvents(["dram", "shared"], 1, B, snapshot=snap)
+    first = TierEvents([DRAM, SHARED], 1, B, snapshot=snap)
     r = request("a", TOKENS)
     first.seen(r, chunks(len(TOKENS)))
     first.apply([("k0", "stored", "shared"), ("k1", "stored", "shared")])  # k2's publish: never reported
@@ -194,10 +195,10 @@ def test_a_tier_that_cannot_say_yet_keeps_its_record_until_it_can(tmp_path):
             return None
         return tier == "shared" and key in on_shared
 
-    second = TierEvents(["dram", "shared"], 1, B, snapshot=snap, present=present)
+    second = TierEvents([DRAM, SHARED], 1, B, snapshot=snap, present=present)
     assert second.take() == [] and set(second.held["shared"]) == {"k0", "k1"}
     second.close()  # a restart before the listing keeps the record, and the unreported chunk's hashes
-    third = TierEvents(["dram", "shared"], 1, B, snapshot=snap, present=present)
+    third = TierEvents([DRAM, SHARED], 1, B, snapshot=snap, present=present)
     assert third.take() == [] and set(third.held["shared"]) == {"k0", "k1"}
     listed[0] = True
     out = third.take()
@@ -236,3 +237,14 @@ def test_the_store_says_a_shared_tier_cannot_answer_before_its_first_listing(tmp
     finally:
         opened.set()
         store.close()
+
+
+def test_a_tier_identity_is_named_as_vllm_names_media_and_localities():
+    from vllm.v1.kv_offload.base import Locality as VllmLocality
+    from vllm.v1.kv_offload.base import Medium as VllmMedium
+
+    assert {m.value for m in Medium} == {m.value for m in VllmMedium}
+    assert {x.value for x in Locality} == {x.value for x in VllmLocality}
+    assert (DRAM.medium, DISK.medium, SHARED.medium) == (MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_STORAGE)
+    assert not DRAM.shared and not DISK.shared and SHARED.shared
+    assert tier_id("shared") is SHARED and tier_id("l3", shared=True).locality is Locality.REMOTE

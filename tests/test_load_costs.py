@@ -55,7 +55,7 @@ def stored(side, writer, n, tier_of_chunk):
     side.get_num_new_matched_tokens(req, 0)
     meta = side.build_connector_meta(output(new=[("first", 0)], scheduled={"first": n}))
     for i, c in enumerate(meta.saves):
-        writer._store(tier_of_chunk(i), c.key, c.parent, [b"x" * 10])  # noqa: SLF001 (issue 29 item 1: placement as a plan)
+        writer.writer.store(tier_of_chunk(i), c.key, c.parent, [b"x" * 10])  # straight into that tier
     side.request_finished(req)
 
 

@@ -25,7 +25,7 @@ def test_a_local_chunk_is_placed_in_its_blocks_and_counted(tmp_path, tier):
     side, caches = worker(tmp_path, tier)
     chunk = ChunkIO(KEYS[0], None, TARGET[0])
     result = side.loader.read(chunk, BlockWriters())
-    assert isinstance(result, Placed) and side.store.tier_names[result.tier] == tier
+    assert isinstance(result, Placed) and result.tier.name == tier
     assert all(in_place(caches, i, [0]) for i in range(LAYERS))
     read: dict[str, int] = {}
     assert side.loader.settle(chunk, result, read) and read == {tier: result.nbytes}
@@ -39,7 +39,7 @@ def test_a_shared_chunk_read_locally_only_is_remote_then_placed_on_a_read_thread
     assert side.loader.read(chunk, writers, local_only=True) is REMOTE
     assert side.loader.read_layer(chunk, None, writers, local_only=True) is REMOTE
     result = side.store.run_read(side.loader.read, chunk, writers).result(10)
-    assert isinstance(result, Placed) and result.tier == len(side.store.tiers) - 1
+    assert isinstance(result, Placed) and result.tier == side.store.tiers[-1].id and result.tier.shared
     assert all(in_place(caches, i, [0]) for i in range(LAYERS))
     side.shutdown()
 

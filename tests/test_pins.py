@@ -114,9 +114,8 @@ def test_pins_survive_a_new_instance_and_damage_is_ignored(tmp_path, caplog):
 # -- the store's eviction hook ---------------------------------------------------------------
 def _store(tmp_path, *capacities):
     tiers = [FileTier(str(tmp_path / name), NS.id, cap, name) for name, cap in zip(("dram", "disk"), capacities)]
-    store = TieredStore(tiers, NS.digest, [LRUPolicy() for _ in tiers], io_threads=1)
-    store.pins = PinBook(str(tmp_path / tiers[-1].name), capacities[-1], 0.5, namespace=NS.id)
-    return store
+    return TieredStore(tiers, NS.digest, [LRUPolicy() for _ in tiers], io_threads=1,
+                       pins=PinBook(str(tmp_path / tiers[-1].name), capacities[-1], 0.5, namespace=NS.id))
 
 
 def _put(store, keys):

@@ -50,7 +50,7 @@ def test_placed_read_gives_the_stored_bytes(tmp_path, n, signing_key):
     assert s.put(key, None, "uint8", (n,), data) and s.flush(10)
     buf, place = into(n)
     tier, info = s.get_into(key, place)
-    assert tier == 0 and info.shape == (n,) and bytes(buf) == data.tobytes()
+    assert tier == s.tiers[0].id and info.shape == (n,) and bytes(buf) == data.tobytes()
     assert s.stats.tiers["dram"].hits == 1
     s.close()
 
@@ -71,12 +71,12 @@ def test_damage_is_detected_dropped_and_the_next_tier_read(tmp_path):
         f.write(bytes([byte[0] ^ 0x10]))
     buf, place = into(data.size)
     tier, _ = s.get_into(key, place)
-    assert tier == 1 and bytes(buf) == data.tobytes()
+    assert tier == s.tiers[1].id and bytes(buf) == data.tobytes()
     assert s.stats.tiers["dram"].corrupt == 1
     s.flush(10)
     assert s.tiers[0].contains(key)  # promoted again from disk, re-read there
     buf2, place2 = into(data.size)
-    assert s.get_into(key, place2)[0] == 0 and bytes(buf2) == data.tobytes()
+    assert s.get_into(key, place2)[0] == s.tiers[0].id and bytes(buf2) == data.tobytes()
     s.close()
 
 
@@ -127,7 +127,7 @@ def test_a_key_only_in_a_tier_without_files_is_left_to_get(tmp_path):
     for tier in s.tiers[:2]:
         tier.delete(key)
     assert s.get_into(key, into(100)[1]) is ELSEWHERE
-    assert s.get(key).tier == 2
+    assert s.get(key).tier == s.tiers[2].id
     s.close()
 
 
@@ -143,7 +143,7 @@ def test_a_reused_placed_hit_is_published(tmp_path):
     key = chunk_keys(NS, list(range(16)), 16)[0]
     assert s.put(key, None, "uint8", (100,), np.ones(100, np.uint8)) and s.flush(10)
     assert not s.tiers[2].contains(key)
-    assert s.get_into(key, into(100)[1])[0] == 0  # used a second time: published
+    assert s.get_into(key, into(100)[1])[0] == s.tiers[0].id  # used a second time: published
     s.flush(10)
     assert s.tiers[2].contains(key)
     s.close()
@@ -231,13 +231,13 @@ def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp
     monkeypatch.setattr(s.tiers[-1], "read", lambda k: whole_reads.append(k))
     buf, place = into(n)
     tier, info = s.get_into(key, place)
-    assert tier == s.n_local and info.shape == (n,) and bytes(buf) == data.tobytes()
+    assert tier == s.tiers[s.n_local].id and tier.shared and info.shape == (n,) and bytes(buf) == data.tobytes()
     assert s.stats.tiers["shared"].hits == 1
     s.flush(10)
     if dram:  # promoted from the bytes this read kept, not read from the shared tier again
         assert s.tiers[0].contains(key)
         buf2, place2 = into(n)
-        assert s.get_into(key, place2)[0] == 0 and bytes(buf2) == data.tobytes()
+        assert s.get_into(key, place2)[0] == s.tiers[0].id and bytes(buf2) == data.tobytes()
     assert whole_reads == []
     s.close()
 
@@ -268,7 +268,7 @@ def test_shared_reads_are_charged_to_the_link(tmp_path):
     s = shared_store(tmp_path, pacer=Charged(1e9))
     key, _ = only_in_shared(s, 3000)
     Charged.seen.clear()
-    assert s.get_into(key, into(3000)[1])[0] == 1
+    assert s.get_into(key, into(3000)[1])[0] == s.tiers[1].id
     assert Charged.seen == [HEADER_SIZE + 3000]
     s.close()
 

@@ -55,7 +55,7 @@ def state(side, req):
 
 def write_to(writer, i, c):
     """Write chunk ``c`` straight into local tier ``i`` (the store's own placement step)."""
-    writer._store(i, c.key, c.parent, [b"x" * 10])  # noqa: SLF001 (issue 29 item 1: placement becomes a plan)
+    writer.writer.store(i, c.key, c.parent, [b"x" * 10])  # straight into tier i
 
 
 def store_saves(writer, meta):

@@ -308,7 +308,7 @@ def test_chunks_used_twice_are_published_and_one_offs_are_not(tmp_path):
     keys = keys_of(3)
     put_chain(s, keys)
     assert shared_keys(tmp_path / "l3") == set()  # computed once: local only
-    assert s.get(keys[0]).tier == 0                # used again
+    assert s.get(keys[0]).tier == s.tiers[0].id    # used again
     assert s.flush(10)
     assert shared_keys(tmp_path / "l3") == {keys[0]}
     assert s.stats.tiers["shared"].writes == 1
@@ -339,7 +339,7 @@ def test_second_node_finds_loads_and_promotes_shared_chunks(tmp_path):
     assert b.probe(keys)               # checks start in the background
     assert wait_known(b, keys) == [1, 1, 1, 1]
     e = b.get(keys[2])
-    assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(2))
+    assert e.tier == b.tiers[1].id and e.tier.shared and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(2))
     assert b.flush(10) and b.lookup(keys[2:3]) == [0]  # promoted into DRAM
     assert b.stats.tiers["shared"].hits == 1
 
@@ -425,7 +425,7 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
     c = node(remote(l3), key=b"k1")
     assert c.get(unsigned) is None and c.get(foreign) is None
     assert c.stats.tiers["shared"].corrupt == 2
-    assert c.get(keys[1]).tier == 1                 # the signed one is served
+    assert c.get(keys[1]).tier == c.tiers[1].id     # the signed one is served
 
 
 def test_truncated_writes_are_never_served(tmp_path):

@@ -127,7 +127,7 @@ def test_longest_prefix_promotion_demotion_and_bounds(tmp_path):
     assert s.lookup(keys) == [1, 1, 1, 1, 0, 0, 0, 0]
     s.check()
     e = s.get(keys[0])
-    assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
+    assert e.tier == s.tiers[1].id and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
     s.flush(10)
     assert s.lookup(keys[:1]) == [0]  # promoted
     s.check()
@@ -144,7 +144,7 @@ def test_a_dram_tier_smaller_than_one_entry_is_passed_over(tmp_path):
     put_chain(s, keys)
     assert s.lookup(keys) == [1, 1, 1]
     assert s.stats.tiers["dram"].rejected == 0 and s.stats.tiers["disk"].writes == 3
-    assert s.get(keys[0]).tier == 1 and s.flush(10)
+    assert s.get(keys[0]).tier == s.tiers[1].id and s.flush(10)
     assert s.lookup(keys[:1]) == [1] and s.stats.tiers["dram"].promotions == 0
     s.check()
     s.close()

@@ -142,10 +142,10 @@ def test_damaged_entries_are_detected_in_either_tier(tmp_path, tier, damage):
     e = s.get(keys[0])
     assert s.stats.tiers[tier].corrupt == 1
     if t == 0:  # served from the disk copy, intact, which is promoted back up in its place
-        assert e.tier == 1 and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
+        assert e.tier == s.tiers[1].id and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
         assert s.flush(10)
         again = s.get(keys[0])
-        assert again.tier == 0 and np.array_equal(np.frombuffer(again.payload, np.uint8), payload(0))
+        assert again.tier == s.tiers[0].id and np.array_equal(np.frombuffer(again.payload, np.uint8), payload(0))
     else:
         assert e is None and not s.tiers[t].contains(keys[0])
     s.close()
@@ -161,7 +161,7 @@ def test_a_shared_folder_removed_while_in_use_fails_nothing_and_is_made_again(tm
     assert all(l3.contains(k) for k in first)
     shutil.rmtree(root)                                     # gone while serving
     # reads of what it held are misses; the DRAM copies still serve
-    assert [s.get(k).tier for k in first] == [0] * 6
+    assert [s.get(k).tier for k in first] == [s.tiers[0].id] * 6
     for k in first:
         with pytest.raises(KeyError):
             l3.read(k)

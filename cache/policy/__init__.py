@@ -10,9 +10,9 @@
 ``python -m cache.tools.replay`` and ``bench/bench_policy.py`` compare them on traces.
 """
 
-from .base import EvictionPolicy, Key, Offer
+from .base import Decision, EvictionPolicy, Key, Offer
 from .lru import LRUPolicy
 from .registry import DEFAULT_POLICY, POLICIES, make_policy, policy_names
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "Key", "LRUPolicy", "Offer",
+__all__ = ["DEFAULT_POLICY", "POLICIES", "Decision", "EvictionPolicy", "Key", "LRUPolicy", "Offer",
            "make_policy", "policy_names"]

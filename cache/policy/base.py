@@ -10,11 +10,14 @@ tool passes ``int`` block ids). Each chunk has an optional ``parent``: the key o
 chunk before it in the same token sequence. A chunk is worth nothing without its
 ancestors, which is what prefix-aware policies exploit.
 
-In the style of cachetools, a policy overrides decisions and bookkeeping; the loop that
-combines them is written once, here (``offer``), and both the store and
-``cache.tools.replay`` run it:
+In the style of cachetools, a policy overrides decisions and bookkeeping; ``offer`` here
+combines them for ``cache.tools.replay`` and the experts of ``prefix_adaptive``, and the
+store's writer thread combines the same ``decide``/``evict_next`` calls with the I/O each
+decision plans (``cache.store.writer``):
 
-- decisions: ``admit`` (default: take everything) and ``victim``;
+- decisions: ``admit`` (default: take everything) and ``victim``, returned to a store as a
+  ``Decision`` (``decide``: admit or not; ``evict_next``: the next victim, forgotten), which
+  ``cache.store.placement`` turns into a plan for the store's writer thread;
 - bookkeeping: ``insert``, ``touch``, ``remove``, ``__contains__``, ``__len__``, and
   optionally ``seen`` and ``hint_upcoming`` (default: ignore).
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Callable, ContextManager, Generic, Hashable, Iterable, Optional, TypeVar
 
 Key = Hashable
@@ -56,6 +60,15 @@ class Offer(enum.Enum):
     REFUSED = "refused"            # the policy's admission said no
     NO_ROOM = "no room"            # nothing left to evict and still no room
     NOT_WRITTEN = "not written"    # the caller's write failed or did not publish
+
+
+@dataclass(frozen=True)
+class Decision(Generic[K]):
+    """A policy's answer, as data: whether an entry gets in (``admit``), and which entries of
+    the tier leave to make room (``victims``, already forgotten by the policy)."""
+
+    admit: bool = True
+    victims: tuple = ()
 
 
 class EvictionPolicy(ABC, Generic[K]):
@@ -107,6 +120,20 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    # ------------------------------------------------------- decisions, as data
+    def decide(self, key: K, parent: Optional[K], size: int, force: bool = False) -> Decision:
+        """Whether ``key`` gets in (``force``: whatever ``admit`` says, e.g. a pinned prefix)."""
+        return Decision(admit=force or self.admit(key, parent, size))
+
+    def evict_next(self) -> Decision:
+        """The next victim, forgotten here (``victim`` + ``remove``); no victims when nothing
+        is tracked. The caller takes it out of the tier."""
+        victim = self.victim()
+        if victim is None:
+            return Decision(victims=())
+        self.remove(victim)
+        return Decision(victims=(victim,))
+
     # ------------------------------------------------------------------- the loop
     def offer(
         self,
@@ -134,14 +161,13 @@ class EvictionPolicy(ABC, Generic[K]):
         callbacks outside it.
         """
         with lock:
-            if not self.admit(key, parent, size) and not force:
+            if not self.decide(key, parent, size, force).admit:
                 return Offer.REFUSED
         rescanned = rescan is None
         while not reserve():
             with lock:
-                victim = self.victim()
-                if victim is not None:
-                    self.remove(victim)
+                victims = self.evict_next().victims
+            victim = victims[0] if victims else None
             if victim is None and exhausted is not None and exhausted():
                 continue
             if victim is None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, TypeVar
 
+from cache.tiers.identity import Locality, Medium, TierId
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # (collections.abc.Buffer from Python 3.12)
 
@@ -38,6 +40,19 @@ class Tier(ABC):
     # True for a tier shared by many nodes (L3): write-once, never evicted by us, and
     # ``contains`` answers from memory (see ``probe``).
     shared: bool = False
+    # What holds the bytes (``cache.tiers.identity``); a tier in host memory says CPU.
+    medium: Medium = Medium.STORAGE
+
+    @property
+    def id(self) -> TierId:
+        """The tier's identity: name, medium, locality (``cache.tiers.identity``)."""
+        return TierId(self.name, self.medium, Locality.REMOTE if self.shared else Locality.LOCAL)
+
+    @property
+    def up(self) -> bool:
+        """Whether the tier answers now: the shared tier says no while its circuit breaker is
+        open (the scheduler's explanations read it); local tiers are always up."""
+        return True
 
     @property
     def available(self) -> bool:

@@ -38,6 +38,7 @@ import numpy as np
 
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.direct import DirectReads
+from cache.tiers.identity import Medium
 from cache.tiers.layout import LOCK_FILE, TMP_MARK, USAGE, USAGE_FILE, entry_path, parse_temp, temp_path, this_host
 
 _STALE_TMP_SECONDS = 600  # no entry write takes this long; older temp files are debris
@@ -54,8 +55,10 @@ class FileTier(Tier):
         name: str = "disk",
         use_mmap: bool = False,
         direct_reads: bool = False,
+        medium: Medium = Medium.STORAGE,
     ) -> None:
         self.name = name
+        self.medium = medium  # CPU for the DRAM tier's tmpfs folder
         self.capacity = capacity
         self.root = root
         self.folder = os.path.join(root, namespace)

@@ -13,11 +13,11 @@ it (evicted, moved down, or found damaged), with:
   ``extra_keys`` (LoRA name, and ``cache_salt`` on a prompt's first block) and
   ``session_id`` exactly as vLLM's ``BlockPool`` fills them for the same blocks: nothing
   more (a salted prompt's hashes differ from the unsalted one's as vLLM's own do);
-- ``medium``: vLLM's ``MEDIUM_CPU`` for ``dram``, ``MEDIUM_STORAGE`` for ``disk`` and
-  ``shared``; ``ownership``: the tier's name; ``locality``: ``LOCAL`` for dram and disk,
-  ``REMOTE`` for ``shared``. An entry with ``ownership="shared"`` is in the shared tier
-  (Curvine), which every instance serving the same model with the same shared URL reads:
-  a router may credit it to all of them.
+- ``medium`` and ``locality``: the tier's identity (``cache.tiers.identity``, named as vLLM
+  names them): ``CPU`` for ``dram``, ``STORAGE`` for ``disk`` and ``shared``; ``LOCAL`` for
+  dram and disk, ``REMOTE`` for ``shared``; ``ownership``: the tier's name. An entry with
+  ``ownership="shared"`` is in the shared tier (Curvine), which every instance serving the
+  same model with the same shared URL reads: a router may credit it to all of them.
 
 Runs in vLLM's engine-core process, in the scheduler loop: ``seen`` (once per request,
 a few microseconds per chunk), ``apply`` (the workers' chunk events of a step) and
@@ -53,17 +53,17 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
 
+from cache.tiers.identity import TierId
+
 log = logging.getLogger(__name__)
 
-MEDIUM = {"dram": MEDIUM_CPU, "disk": MEDIUM_STORAGE, "shared": MEDIUM_STORAGE}
-LOCALITY = {"dram": "LOCAL", "disk": "LOCAL", "shared": "REMOTE"}
 STORED, GONE = "stored", ("evicted", "damaged", "unsigned")  # worker chunk events (cache.explain)
 MAX_RECORDS = 4096
 MAX_HELD = 131072
@@ -104,13 +104,14 @@ def chunk_blocks(request, start: int, end: int, block_size: int) -> Optional[Chu
 class TierEvents:
     """The scheduler's record of what each tier holds, as vLLM KV events."""
 
-    def __init__(self, tiers: Sequence[str], world: int, block_size: int, snapshot: Optional[str] = None,
+    def __init__(self, tiers: Sequence[TierId], world: int, block_size: int, snapshot: Optional[str] = None,
                  present: Optional[Callable[[str, str], Optional[bool]]] = None) -> None:
-        """``tiers``: the tier names; ``world``: ranks (a chunk is held once every rank's
-        entry is); ``snapshot``: the file that keeps announced hashes across restarts;
-        ``present(tier, key)``: whether a tier holds a chunk now, None while the tier cannot
-        say (read after a restart, in memory)."""
-        self.tiers = list(tiers)
+        """``tiers``: the tiers' identities (an event names a tier's medium and locality);
+        ``world``: ranks (a chunk is held once every rank's entry is); ``snapshot``: the file
+        that keeps announced hashes across restarts; ``present(tier, key)``: whether a tier
+        holds a chunk now, None while the tier cannot say (read after a restart, in memory)."""
+        self.ids = {t.name: t for t in tiers}
+        self.tiers = list(self.ids)
         self.world = world
         self.block_size = block_size
         self.recent: OrderedDict[str, ChunkBlocks] = OrderedDict()   # key -> blocks, until stored
@@ -193,21 +194,21 @@ class TierEvents:
         if key in held:
             return  # announced already
         blocks = self.recent.get(key)
+        medium, locality = self.ids[tier].medium.value, self.ids[tier].locality.value
         if blocks is not None:
             held[key] = (blocks.hashes, blocks.parent)
             event = BlockStored(block_hashes=blocks.hashes, parent_block_hash=blocks.parent,
                                 token_ids=blocks.tokens, block_size=self.block_size, lora_id=blocks.lora_id,
-                                medium=MEDIUM[tier], lora_name=blocks.lora_name, extra_keys=blocks.extra_keys,
-                                group_idx=0, locality=LOCALITY[tier], ownership=tier,
-                                session_id=blocks.session_id)
+                                medium=medium, lora_name=blocks.lora_name, extra_keys=blocks.extra_keys,
+                                group_idx=0, locality=locality, ownership=tier, session_id=blocks.session_id)
         else:  # no request seen here: a chunk announced in another tier (before a restart) moved
             known = known or next((h[key] for h in self.held.values() if key in h), None)
             if known is None:
                 return  # another engine's chunk: unknown blocks
             held[key] = known
             event = BlockStored(block_hashes=known[0], parent_block_hash=known[1], token_ids=[],
-                                block_size=self.block_size, lora_id=None, medium=MEDIUM[tier], lora_name=None,
-                                group_idx=0, locality=LOCALITY[tier], ownership=tier)
+                                block_size=self.block_size, lora_id=None, medium=medium, lora_name=None,
+                                group_idx=0, locality=locality, ownership=tier)
         self.emit(event)
         if len(held) > MAX_HELD:
             self._removed(tier, next(iter(held)))
@@ -215,8 +216,8 @@ class TierEvents:
     def _removed(self, tier: str, key: str) -> None:
         known = self.held[tier].pop(key, None)
         if known is not None:
-            self.emit(BlockRemoved(block_hashes=known[0], medium=MEDIUM[tier], group_idx=0,
-                                    locality=LOCALITY[tier], ownership=tier))
+            self.emit(BlockRemoved(block_hashes=known[0], medium=self.ids[tier].medium.value, group_idx=0,
+                                    locality=self.ids[tier].locality.value, ownership=tier))
 
     def emit(self, event) -> None:
         """Queue ``event`` for vLLM's next ``take``; beyond ``MAX_PENDING`` it is dropped (counted)."""
@@ -341,5 +342,5 @@ def tier_events(vllm_config, config, namespace_id: str, world: int, hybrid: bool
     specs = config.tiers()
     local = [s for s in specs if not s.shared]
     snapshot = os.path.join(local[-1].location, f".kvevents-{namespace_id}.json") if local else None
-    return TierEvents([s.name for s in specs], world, vllm_config.cache_config.block_size, snapshot,
+    return TierEvents([s.id for s in specs], world, vllm_config.cache_config.block_size, snapshot,
                       present=view.holds)

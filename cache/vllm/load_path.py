@@ -29,6 +29,7 @@ import torch
 from cache.codec import HEADER_SIZE
 from cache.placed import BlockWriters, LoadEnded, Misfit
 from cache.store import ELSEWHERE, Entry, EntryRead, TieredStore
+from cache.tiers.identity import TierId
 from cache.vllm.kv_copy import BlockCopier
 from cache.vllm.load_costs import LoadCosts
 from cache.vllm.metadata import ChunkIO, LoadRequest
@@ -41,9 +42,9 @@ OnEvent = Callable[[str, str, str], None]  # (chunk key, event, tier): cache.exp
 
 @dataclass(frozen=True)
 class Placed:
-    """The chunk is in its blocks, verified: read from tier ``tier``, ``nbytes`` in all."""
+    """The chunk is in its blocks, verified: read from ``tier``, ``nbytes`` in all."""
 
-    tier: int
+    tier: TierId
     nbytes: int
 
 
@@ -182,7 +183,7 @@ class ChunkLoader:
             if self.timer is not None:
                 self.timer("scatter", time.perf_counter() - t)
         except (ValueError, RuntimeError) as e:
-            return self._misfit(chunk, self.store.tier_names[entry.tier], e)
+            return self._misfit(chunk, entry.tier.name, e)
         return Placed(entry.tier, HEADER_SIZE + entry.payload.nbytes)
 
     def place(self, chunk: ChunkIO, result: ChunkResult, mark: Any = None) -> Union[Placed, Failed]:
@@ -204,7 +205,7 @@ class ChunkLoader:
         """Count a chunk in place: its tokens served, its bytes read from its tier (``read``)."""
         tokens = chunk.tokens if chunk.tokens is not None else len(chunk.block_ids) * self.block_size
         self.store.note_loaded(placed.tier, tokens, chunk.key, chunk.tier)
-        name = self.store.tier_names[placed.tier]
+        name = placed.tier.name
         read[name] = read.get(name, 0) + placed.nbytes
 
     # -- how a load ends ---------------------------------------------------------------

@@ -145,7 +145,7 @@ class SchedulerSide:
         self._saving: dict[str, list] = {}
         shared = [v.shared for v in self.views if v.shared is not None]
         self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
-                                 lambda: all(getattr(t, "up", True) for t in shared))
+                                 lambda: all(t.up for t in shared))
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:

@@ -70,13 +70,14 @@ class WorkerSide:
         self._stats = StatsDelta(per_request=namespace.rank == 0)  # requests counted by rank 0 alone
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
         self._thread_setup = thread_setup(cpus)
-        self.store = writer_store(config, namespace, thread_setup=self._thread_setup)
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
+        self.store = writer_store(config, namespace, thread_setup=self._thread_setup, on_event=self._on_event)
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
         self.staging: Optional[StagingPool] = None  # host buffers of copies (once registered)
         self.costs: Optional[LoadCosts] = None  # measurements for the cost model (once registered)
-        self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # hybrid models: loads that failed
@@ -85,8 +86,6 @@ class WorkerSide:
         # this step's layer-wise loads (forward thread)
         self.layered = StepLoads(self.loader, config.layered_loads and not self.layout.hybrid)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
-        self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
-        self.store.on_event = self._on_event
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Views checked (``ValueError``: ``kv_layout``), staging allocated, threads on this device."""

@@ -1,0 +1,97 @@
+"""The store's threads and the background work it waits for.
+
+A writer store runs reads on a pool of ``io_threads`` threads, local writes (and the
+evictions, demotions and promotions they cause) on one writer thread, in submission order,
+so a chain's parent is always stored before its child, and publishes to the shared tier on
+one publisher thread. ``thread_setup(role)`` runs first on each thread ("read", "write",
+"publish"; ``cache.threads``). Background work never raises into the engine: an exception
+is logged and the work is dropped. ``flush`` waits for the writer and publisher work (and
+what it submits in turn); reads are the caller's to wait for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+log = logging.getLogger("cache.store")
+
+
+class Background:
+    """The pools of one writer store and its pending writer/publisher work."""
+
+    def __init__(self, io_threads: int, publisher: bool,
+                 thread_setup: Optional[Callable[[str], None]] = None) -> None:
+        def pool(n: int, role: str) -> ThreadPoolExecutor:
+            def setup() -> None:
+                if thread_setup is not None:
+                    thread_setup(role)
+
+            return ThreadPoolExecutor(n, thread_name_prefix=f"kvcache-{role}", initializer=setup)
+
+        self._io = pool(io_threads, "read")
+        self._writer = pool(1, "write")
+        self._publisher = pool(1, "publish") if publisher else None
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+
+    def read(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on a read thread (not waited for by ``flush``)."""
+        return self._io.submit(fn, *args)
+
+    def write(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the writer thread, after what was submitted before."""
+        return self._track(self._writer.submit(_guard, fn, *args))
+
+    def publish(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the publisher thread."""
+        assert self._publisher is not None, "no shared tier"
+        return self._track(self._publisher.submit(_guard, fn, *args))
+
+    def _track(self, fut: Future) -> Future:
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the writer and publisher work (and the work it submits) is done;
+        False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return True
+            for fut in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    fut.result(timeout=left)
+                except Exception:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return False
+
+    def shutdown(self) -> None:
+        """Stop every thread; queued work is cancelled."""
+        for pool in (self._io, self._writer, self._publisher):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _guard(fn: Callable, *args):
+    try:
+        return fn(*args)
+    except Exception:  # background work must never take the engine down
+        log.exception("kvcache: background %s failed", getattr(fn, "__name__", fn))
+        return None
