@@ -115,9 +115,10 @@ def tier_hits(url: str) -> dict:
     return dict(out)
 
 
-def start_server(tmp: Path, overrides: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, overrides: dict | None = None, repo: Path = REPO) -> tuple[subprocess.Popen, str]:
     """``python -m serving`` on the generated model, logs in ``tmp/server.log``; ``overrides``:
-    settings replacing the soak's (``bench.capacity`` uses its own)."""
+    settings replacing the soak's (``bench.capacity`` uses its own); ``repo``: the source
+    tree it runs (``bench.low_load`` compares another checkout's)."""
     from serving.default_model import ensure_model
 
     model = ensure_model(REPO / ".models" / "test-llama")
@@ -125,7 +126,7 @@ def start_server(tmp: Path, overrides: dict | None = None) -> tuple[subprocess.P
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
-    env.update({"PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
+    env.update({"PYTHONPATH": str(repo), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
                 "SERVING_DEFAULT_MODEL_DIR": str(model), "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
                 "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
                 "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -134,7 +135,7 @@ def start_server(tmp: Path, overrides: dict | None = None) -> tuple[subprocess.P
                 "SM_VLLM_ENABLE_PREFIX_CACHING": "false"})
     env.update(overrides or {})
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=repo, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

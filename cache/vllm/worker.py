@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 # Chunk events sent to the scheduler per step at most (beyond: explained as never_stored).
 MAX_EVENTS = 8192
+# The tiers' usage in the step's stats is at most this old (read on a read thread).
+LEVELS_MAX_AGE_S = 1.0
 
 
 class WorkerSide:
@@ -86,6 +88,12 @@ class WorkerSide:
         # this step's layer-wise loads (forward thread)
         self.layered = StepLoads(self.loader, config.layered_loads and not self.layout.hybrid)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
+        # The tiers' usage for the step's stats: read on a read thread (a tier's usage is
+        # kept under its folder's file lock, which the writer thread holds while it writes:
+        # the forward thread never waits for it), again once a save settled or it is stale.
+        self._levels: Optional[dict[str, int]] = None
+        self._levels_at = float("-inf")
+        self._levels_reading = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Views checked (``ValueError``: ``kv_layout``), staging allocated, threads on this device."""
@@ -266,11 +274,44 @@ class WorkerSide:
         return done, failed
 
     def get_stats(self):
-        """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline."""
+        """This step's counter deltas and the tiers' usage, for vLLM's metrics pipeline
+        (forward thread, every step: no file lock, no I/O; the usage comes from
+        ``levels``)."""
         counters = {**self.store.counters(), **(self.staging.counters() if self.staging else {})}
         if self.costs is not None:
             counters.update(self.costs.totals())
-        return self._stats.take(counters, {"all.enabled": 1, **self.store.levels()})
+        return self._stats.take(counters, {"all.enabled": 1, **self.levels()})
+
+    def levels(self) -> dict[str, int]:
+        """The tiers' usage (``TieredStore.levels``) as last read; a read thread reads it
+        again when a save settled since or it is older than ``LEVELS_MAX_AGE_S`` (the
+        first call reads it here, at start-up)."""
+        with self._lock:
+            levels = self._levels
+            stale = (levels is None or time.monotonic() - self._levels_at > LEVELS_MAX_AGE_S) \
+                and not self._levels_reading
+            if stale and levels is not None:
+                self._levels_reading = True
+        if levels is None:
+            self._read_levels()
+            return self._levels or {}
+        if stale:
+            try:
+                self.store.run_read(self._read_levels)
+            except RuntimeError:  # the store is closing: the last usage read stands
+                with self._lock:
+                    self._levels_reading = False
+        return levels
+
+    def _read_levels(self) -> None:
+        try:
+            levels: Optional[dict[str, int]] = self.store.levels()
+        except OSError as e:  # (a tier folder gone: its next write says so) the last usage stands
+            log.debug("kvcache: could not read the tiers' usage: %s", e)
+            levels = None
+        with self._lock:
+            self._levels = levels if levels is not None else (self._levels or {})
+            self._levels_at, self._levels_reading = time.monotonic(), False
 
     def _fail(self, blocks: set[int]) -> None:
         """Blocks that could not be loaded: to vLLM with this step's output (any thread)."""
@@ -306,6 +347,7 @@ class WorkerSide:
     def _on_settled(self, key: str) -> None:
         with self._lock:
             self._settled.append(key)
+            self._levels_at = float("-inf")  # the usage changed: read again at the next step
 
     def _on_event(self, key: str, event: str, tier: str) -> None:
         with self._lock:

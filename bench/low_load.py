@@ -1,0 +1,213 @@
+"""Low load: our TTFT against vLLM alone's at a few users, rounds interleaved, with a profile.
+
+Runs on the operator's machine (here, under the engine lock). Issue 31 item 3: with few
+users and no L0 pressure the cache has nothing to load, so any TTFT it adds is its own
+per-request and per-step overhead. On a noisy shared machine one run per configuration
+says little: this runs ``--rounds`` rounds, each starting one server per configuration
+(``bench.capacity``'s settings, one at a time, the order alternating round by round)
+and sending the same conversations (``bench.capacity``'s users, chat by default) for
+``--duration`` seconds. It prints each round's TTFT p50/p90/p99 and inter-token gaps
+per configuration and their ratio to the first configuration's in the same round, then
+the same over every round's turns pooled.
+
+``--profile DIR`` also samples every thread's Python stack in every server process
+(``bench.stack_sampler``: py-spy cannot attach on this machine) and prints, per
+configuration, samples per turn by process and thread, and where the cache's own code
+(``cache/``) took them; the collapsed stacks stay under ``DIR/<config>-<round>/``.
+
+    mkdir -p /tmp/base && git archive main | tar -x -C /tmp/base      # optional: a before
+    flock /tmp/kvcache-engine.lock .venv/bin/python -m bench.low_load --users 8 --duration 45 --rounds 2 \
+        --base /tmp/base --profile bench/out/prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import capacity  # noqa: E402
+from bench import capacity_stats as stats  # noqa: E402
+from bench.capacity_workloads import workload  # noqa: E402
+
+# ``--base DIR``: "ours" as another source tree runs it (e.g. ``git archive main``), for a
+# before/after in the same rounds.
+BASE = "ours-base"
+
+
+async def run_users(url: str, model: str, wl, users: int, duration: float, salt: str) -> list[dict]:
+    """The users of ``bench.capacity`` for ``duration`` seconds; their raw turn records."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import async_request_openai_completions  # noqa: F401
+
+    records: list = []
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(capacity.user(session, url, model, wl, u, salt, t0 + duration, records)
+                               for u in range(users)))
+    return records
+
+
+def _stacks(folder: Path) -> dict[str, Counter]:
+    """The sampler's counts so far, per process file."""
+    out = {}
+    for f in folder.glob("*.txt"):
+        c: Counter = Counter()
+        for raw in f.read_text().splitlines():
+            stack, _, n = raw.rpartition(" ")
+            c[stack] += int(n)
+        out[f.stem] = c
+    return out
+
+
+def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> dict:
+    """Start ``config``'s server, run the users (its processes sampled when ``profile_to``:
+    ``bench.stack_sampler``), stop it; the turn records and the samples taken meanwhile."""
+    import shutil
+
+    import httpx
+
+    from bench.soak import start_server
+    from bench.stack_sampler import shim
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    base = config == BASE
+    repo = args.base if base else REPO
+    env = capacity.server_env("ours" if base else config, work, args.l0_tokens, args.l0_tokens)
+    if profile_to is not None:
+        shutil.rmtree(profile_to, ignore_errors=True)
+        profile_to.mkdir(parents=True)
+        env.update(PYTHONPATH=f"{shim(str(work / 'shim'))}:{REPO}:{repo}",  # (the server runs in repo)
+                   KVBENCH_STACKS=str(profile_to.resolve()))
+    proc, url = start_server(work, overrides=env, repo=repo)
+    before: dict = {}
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        if profile_to is not None:
+            time.sleep(6)   # the sampler's counts up to now (start-up) are written
+            before = _stacks(profile_to)
+        records = asyncio.run(run_users(url, model, workload(args.workload), args.users, args.duration, salt))
+        if profile_to is not None:
+            time.sleep(6)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    samples = {}
+    if profile_to is not None:
+        after = _stacks(profile_to)
+        samples = {k: after[k] - before.get(k, Counter()) for k in after}
+    return {"records": records, "samples": samples}
+
+
+def summary(records: list[dict]) -> dict:
+    ok = [r for r in records if r["ok"]]
+    ttft = [r["ttft"] for r in ok]
+    itl = [g for r in ok for g in r["itl"]]
+    return {"turns": len(ok), "failed": len(records) - len(ok),
+            **{f"ttft_p{q}": stats.percentile(ttft, q / 100) for q in (50, 90, 99)},
+            **{f"itl_p{q}": stats.percentile(itl, q / 100) for q in (50, 90)}}
+
+
+def line(name: str, s: dict, base: dict | None) -> str:
+    text = (f"{name:12s} {s['turns']:4d} turns  TTFT p50/p90/p99 {s['ttft_p50'] * 1e3:6.1f} / "
+            f"{s['ttft_p90'] * 1e3:6.1f} / {s['ttft_p99'] * 1e3:6.1f} ms  "
+            f"ITL p50/p90 {s['itl_p50'] * 1e3:.2f} / {s['itl_p90'] * 1e3:.2f} ms")
+    if base is not None:
+        text += "  ratio " + " / ".join(f"{s[k] / base[k]:.2f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99"))
+    return text
+
+
+def profile_summary(config: str, samples: dict[str, Counter], turns: int, top: int = 20) -> str:
+    """Per process: samples per thread; in the engine core, the cache's frames (``/cache/``,
+    inclusive) per thread. Counts per turn, so configurations compare."""
+    lines = [f"{config}: samples per turn ({turns} turns; one sample = 4 ms of a thread's wall time; a "
+             "thread's total counts its idle waits too, a cache frame only while it runs or waits in it)"]
+    for proc, counts in sorted(samples.items()):
+        threads: Counter = Counter()
+        ours: Counter = Counter()
+        for stack, n in counts.items():
+            frames = stack.split(";")
+            threads[frames[0]] += n
+            seen = set()
+            for f in frames[1:]:
+                if "/cache/" in f and f not in seen:
+                    seen.add(f)
+                    ours[(frames[0], f.replace(str(REPO) + "/", ""))] += n
+        if not threads:
+            continue
+        lines.append(f"  {proc}:")
+        lines += [f"    {n / max(1, turns):8.2f}  {t}" for t, n in threads.most_common(3)]
+        lines += [f"    {n / max(1, turns):8.2f}  {t[:24]:24s} {f}" for (t, f), n in ours.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="vllm-alone,ours", help="first: the baseline of the ratios")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--workload", default="chat")
+    p.add_argument("--duration", type=float, default=90.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--l0-tokens", type=int, default=32768)
+    p.add_argument("--profile", type=Path,
+                   help="sample every server process's stacks (bench.stack_sampler) into this folder")
+    p.add_argument("--base", type=Path, help=f"another source tree: adds {BASE!r}, ours as that tree runs it")
+    p.add_argument("--json", type=Path, help="write every round's summaries here")
+    p.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvbench-low-load")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    if args.base is not None and BASE not in configs:
+        configs.insert(1, BASE)
+    for c in configs:
+        if c == BASE and args.base is not None:
+            continue
+        if c not in capacity.CONFIGS:
+            p.error(f"unknown configuration {c!r}; known: {', '.join(capacity.CONFIGS)}")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    salt = f"{time.time_ns():x}"
+    pooled: dict[str, list] = {c: [] for c in configs}
+    rounds = []
+    for r in range(args.rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        got = {}
+        for c in order:
+            prof = args.profile / f"{c}-{r}" if args.profile else None
+            res = one(c, args, args.workdir / c, f"{salt}-{r}-", prof)
+            got[c] = res["records"]
+            pooled[c] += got[c]
+            if res["samples"]:
+                print(profile_summary(c, res["samples"], sum(1 for x in got[c] if x["ok"])), flush=True)
+        sums = {c: summary(got[c]) for c in configs}
+        rounds.append(sums)
+        print(f"round {r + 1} ({args.users} users, {args.duration:g} s, order {','.join(order)}):", flush=True)
+        for c in configs:
+            print("  " + line(c, sums[c], sums[configs[0]] if c != configs[0] else None), flush=True)
+    total = {c: summary(pooled[c]) for c in configs}
+    print(f"pooled over {args.rounds} rounds:")
+    for c in configs:
+        print("  " + line(c, total[c], total[configs[0]] if c != configs[0] else None))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "rounds": rounds, "pooled": total}, indent=1))
+    return 0 if all(total[c]["turns"] for c in configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
