@@ -111,13 +111,19 @@ def tokens(seed, n):
 
 @pytest.fixture
 def hybrid(tmp_path):
+    return hybrid_side(tmp_path)
+
+
+def hybrid_side(tmp_path, **side_kw):
+    """A scheduler side of the hybrid ``LAYOUT`` on a DRAM tier, the store that writes
+    it, and the four groups' block ids; ``side_kw`` go to ``SchedulerSide``."""
     cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
                               "KVCACHE_DISK_SIZE": "0"})
     ns = Namespace("m", "d", "bfloat16", "hybrid", chunk_tokens=C)
     # four groups, 20 blocks each: group g's block j is 1000 * (g + 1) + j
     blocks = tuple([1000 * (g + 1) + j for j in range(20)] for g in range(4))
     manager = SimpleNamespace(get_block_ids=lambda req_id: blocks)
-    side = SchedulerSide(cfg, [ns], B, lambda: manager, LAYOUT)
+    side = SchedulerSide(cfg, [ns], B, lambda: manager, LAYOUT, **side_kw)
     writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy()])
     return side, writer, blocks
 

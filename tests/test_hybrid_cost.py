@@ -7,16 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from cache.assembly import build_tiers
-from cache.config import build_cache_config
 from cache.cost import ChunkCost, PrefillRate, TierRate, attention_pairs, choose
-from cache.keys import Namespace
-from cache.policy import LRUPolicy
-from cache.store import TieredStore
 from cache.vllm.hits import load_spans
 from cache.vllm.planner import LoadPlanner
-from cache.vllm.scheduler import SchedulerSide
-from tests.test_groups import LAYOUT, Blocks, plan, req, run_cold, tokens
+from tests.test_groups import LAYOUT, Blocks, hybrid_side, plan, req, run_cold, tokens
 
 B, C = 128, 256
 KIND_BYTES = (1 << 20, 3 << 20)  # per block: the full layer, the three sliding layers
@@ -62,14 +56,7 @@ def test_a_hybrid_hit_is_priced_by_the_entries_it_reads():
 
 @pytest.fixture
 def side_and_writer(tmp_path):
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_SIZE": "0"})
-    ns = Namespace("m", "d", "bfloat16", "hybrid", chunk_tokens=C)
-    blocks = tuple([1000 * (g + 1) + j for j in range(20)] for g in range(4))
-    manager = SimpleNamespace(get_block_ids=lambda req_id: blocks)
-    side = SchedulerSide(cfg, [ns], B, lambda: manager, LAYOUT, kind_bytes=KIND_BYTES)
-    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy()])
-    return side, writer, blocks
+    return hybrid_side(tmp_path, kind_bytes=KIND_BYTES)
 
 
 def measure(side, dram_bytes_per_s: float) -> None:
