@@ -30,43 +30,73 @@ Old names (``KVCACHE_CPU_*``, ``KVCACHE_REMOTE_*``) are accepted as deprecated a
 an error. True/false values are read by ``cache.flags.parse_bool``, the one parser of
 them. Imports nothing from ``cache`` but the leaves ``cache.errors`` (``ConfigError``,
 re-exported here), ``cache.flags``, ``cache.sizes``, ``cache.dram``, ``cache.curvine``,
-``cache.prompts``, ``cache.weights`` and ``cache.tiers.layout``.
+``cache.prompts``, ``cache.weights``, ``cache.resolved_config`` (the ``CacheConfig``
+and ``TierSpec`` it builds, re-exported here) and ``cache.tiers.layout``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from cache.curvine import curvine_client
-from cache.dram import DEFAULT_DRAM_PATH, DRAM_MARGIN, WRITE_BEHIND_BYTES, GiB, dram_tier, staging_bytes
+from cache.dram import DRAM_MARGIN, GiB, dram_tier, staging_bytes
 from cache.errors import ConfigError
 from cache.flags import parse_bool
 from cache.prompts import read_prompt_file
+from cache.resolved_config import CONNECTOR_KEY, DEFAULT_DISK_PATH, CacheConfig, TierSpec
 from cache.sizes import disk_tier_bytes, memory_limit, parse_size
-from cache.tiers.identity import DISK, DRAM, SHARED, TierId
 from cache.weights import MODES as WEIGHTS_HASHES
 
-__all__ = ["DRAM_MARGIN", "GiB", "CacheConfig", "ConfigError", "TierSpec", "build_cache_config",
-           "cache_enabled", "check_block_size", "config_from_connector", "connector_extra", "memory_limit",
-           "parse_size", "read_prompt_file", "warm_dram", "warm_prompts"]
+__all__ = [
+    "CONNECTOR_KEY",
+    "DEFAULT_DISK_PATH",
+    "DRAM_MARGIN",
+    "GiB",
+    "CacheConfig",
+    "ConfigError",
+    "TierSpec",
+    "build_cache_config",
+    "cache_enabled",
+    "check_block_size",
+    "config_from_connector",
+    "connector_extra",
+    "memory_limit",
+    "parse_size",
+    "read_prompt_file",
+    "warm_dram",
+    "warm_prompts",
+]
 
-DEFAULT_DISK_PATH = "/tmp/kvcache"
-DISK_SHARE = "50%"         # default L2 size: share of the free space under the disk path
-ENTRY_OVERHEAD = 256       # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
-CONNECTOR_KEY = "kvcache_config"  # the one key of kv_connector_extra_config we read
+DISK_SHARE = "50%"  # default L2 size: share of the free space under the disk path
+ENTRY_OVERHEAD = 256  # bytes of an entry besides its KV (cache.codec.HEADER_SIZE; a test keeps them equal)
 
 # Every setting this module reads, and its deprecated aliases (old name -> new name).
 SETTINGS = (
-    "KVCACHE_ENABLED", "KVCACHE_DRAM_PATH", "KVCACHE_DRAM_SIZE", "KVCACHE_DISK_PATH",
-    "KVCACHE_DISK_SIZE", "KVCACHE_SHARED_URL", "KVCACHE_SHARED_TIMEOUT_MS",
-    "KVCACHE_SHARED_BANDWIDTH", "KVCACHE_SHARED_ADMISSION", "KVCACHE_CURVINE_CONF",
-    "KVCACHE_CURVINE_MASTERS", "KVCACHE_CHUNK_TOKENS", "KVCACHE_SIGNING_KEY", "KVCACHE_POLICY",
-    "KVCACHE_IO_THREADS", "KVCACHE_WARM_PROMPTS", "KVCACHE_PIN_MAX", "KVCACHE_PIN_TENANT_MAX",
-    "KVCACHE_LOAD_DECISION", "KVCACHE_LAYERED_LOADS", "KVCACHE_DISK_DIRECT_READS", "KVCACHE_WEIGHTS_HASH",
-    "KVCACHE_STAGING_SIZE", "KVCACHE_WARM_DRAM",
+    "KVCACHE_ENABLED",
+    "KVCACHE_DRAM_PATH",
+    "KVCACHE_DRAM_SIZE",
+    "KVCACHE_DISK_PATH",
+    "KVCACHE_DISK_SIZE",
+    "KVCACHE_SHARED_URL",
+    "KVCACHE_SHARED_TIMEOUT_MS",
+    "KVCACHE_SHARED_BANDWIDTH",
+    "KVCACHE_SHARED_ADMISSION",
+    "KVCACHE_CURVINE_CONF",
+    "KVCACHE_CURVINE_MASTERS",
+    "KVCACHE_CHUNK_TOKENS",
+    "KVCACHE_SIGNING_KEY",
+    "KVCACHE_POLICY",
+    "KVCACHE_IO_THREADS",
+    "KVCACHE_WARM_PROMPTS",
+    "KVCACHE_PIN_MAX",
+    "KVCACHE_PIN_TENANT_MAX",
+    "KVCACHE_LOAD_DECISION",
+    "KVCACHE_LAYERED_LOADS",
+    "KVCACHE_DISK_DIRECT_READS",
+    "KVCACHE_WEIGHTS_HASH",
+    "KVCACHE_STAGING_SIZE",
+    "KVCACHE_WARM_DRAM",
 )
 LOAD_DECISIONS = ("cost", "always")
 DEPRECATED = {
@@ -76,139 +106,6 @@ DEPRECATED = {
     "KVCACHE_REMOTE_TIMEOUT_MS": "KVCACHE_SHARED_TIMEOUT_MS",
     "KVCACHE_REMOTE_BANDWIDTH": "KVCACHE_SHARED_BANDWIDTH",
 }
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """One enabled tier and its role, as the configuration decides it."""
-
-    id: TierId                # name ("dram", "disk", "shared": its label in logs and metrics),
-                              # medium, locality (cache.tiers.identity)
-    level: str                # "L1", "L2", "L3"
-    location: str             # folder, or the shared tier's URL
-    capacity: Optional[int]   # bytes; None: the backend manages its space (shared)
-    synchronous: bool         # loaded into vLLM's blocks before the forward pass (a memory
-                              # copy); other tiers load on I/O threads while requests run
-    mapped: bool              # entries read by mapping the file (tmpfs pages: zero copy)
-    direct_reads: bool        # entries not in the page cache read with O_DIRECT (disk)
-    last_local: bool          # the last local tier: its evictions are final, so its policy
-                              # also judges admission
-
-    @property
-    def name(self) -> str:
-        return self.id.name
-
-    @property
-    def shared(self) -> bool:
-        """Published to by rule, never evicted from by us (``TierId.shared``)."""
-        return self.id.shared
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The resolved cache configuration; every size in bytes. Defaults are the settings'."""
-
-    # Tokens per chunk, the unit of lookup and storage. A multiple of vLLM's block size.
-    chunk_tokens: int = 256
-    # dram (L1): a tmpfs folder, so every process of the engine and every engine of the
-    # node sees the same entries. 0 bytes disables the tier.
-    dram_path: str = DEFAULT_DRAM_PATH
-    dram_bytes: int = 0
-    # disk (L2): a local folder. 0 bytes disables the tier.
-    disk_path: str = DEFAULT_DISK_PATH
-    disk_bytes: int = 0
-    # Entries not in the page cache are read from the disk tier with O_DIRECT
-    # (cache.tiers.direct): no readahead, no kernel copy. False: every read is buffered.
-    disk_direct_reads: bool = True
-    # shared (L3): an fsspec URL (curvine://..., file:///mnt/curvine/...). Empty: no L3.
-    shared_url: str = ""
-    # Curvine client for curvine:// URLs: its configuration file (absolute), or the
-    # master addresses ("host:port") a minimal client file is made from.
-    curvine_conf: str = ""
-    curvine_masters: tuple[str, ...] = ()
-    # Deadline of one call to the shared tier.
-    shared_timeout_ms: int = 2000
-    # Cap on this process's shared-tier transfer rate, bytes per second (0: none): keeps
-    # the cache's share of the node's network bounded (and emulates a link in benchmarks).
-    shared_bandwidth: int = 0
-    # What the store publishes to the shared tier (cache.admission.SharedAdmission): "reused"
-    # (a chunk used a second time), "all" (every chunk stored), "none" (only read).
-    shared_admission: str = "reused"
-    # Eviction/admission policy name (cache.policy.POLICIES; a test keeps this default
-    # equal to cache.policy.DEFAULT_POLICY).
-    policy: str = "prefix-adaptive"
-    # Background threads that load misses from the slower tiers.
-    io_threads: int = 2
-    # Share (0..1) of the last local tier that pinned prefixes may hold (cache.pins); a pin
-    # past it is refused. 0: pins are refused.
-    pin_max: float = 0.5
-    # Share (0..1] of that allowance one tenant (a cache_salt; "unsalted" for requests
-    # without one) may hold, so no tenant can deny pins to the others.
-    pin_tenant_max: float = 0.25
-    # What a hit loads: "cost" (what the online cost model expects to reach the first token
-    # sooner than computing it; cache.cost) or "always" (everything found).
-    load_decision: str = "cost"
-    # A load the forward pass waits for hands over each layer as it lands
-    # (cache.vllm.layered): the forward pass computes layer i while layer i+1 loads.
-    # False: the whole load first (CPU blocks only; other loads always are whole).
-    layered_loads: bool = True
-    # What identifies the model's weights in the namespace (cache.weights): "sampled" (file
-    # sizes, safetensors headers, a piece of every tensor: a few MiB read) or "full" (every byte).
-    weights_hash: str = "sampled"
-    # That fingerprint, taken once by the server for every process ("": each process takes it).
-    weights_fingerprint: str = ""
-    # Host memory per worker (one per GPU) that copies between the KV cache and the tiers
-    # go through (cache.vllm.staging): pinned on GPUs, allocated once at start-up, counted
-    # in the DRAM sizing. A save that finds it full is skipped (a future miss).
-    staging_bytes: int = WRITE_BEHIND_BYTES
-    # HMAC key for entries; when set, unsigned or wrongly signed entries are rejected.
-    # Never serialized: each process reads it from KVCACHE_SIGNING_KEY.
-    signing_key: str = field(default="", repr=False)
-    # What start-up should tell the operator (deprecated names, capped sizes). Not serialized.
-    notes: tuple[str, ...] = field(default=(), compare=False)
-
-    @property
-    def has_shared(self) -> bool:
-        return bool(self.shared_url)
-
-    def tiers(self) -> tuple[TierSpec, ...]:
-        """The enabled tiers, fastest first; the shared tier, if any, last."""
-        local = [(DRAM, "L1", self.dram_path, self.dram_bytes, True),
-                 (DISK, "L2", self.disk_path, self.disk_bytes, False)]
-        local = [t for t in local if t[3]]
-        specs = [TierSpec(tier, level, path, size, synchronous=memory, mapped=memory,
-                          direct_reads=not memory and self.disk_direct_reads,
-                          last_local=i == len(local) - 1)
-                 for i, (tier, level, path, size, memory) in enumerate(local)]
-        if self.shared_url:
-            specs.append(TierSpec(SHARED, "L3", self.shared_url, None, synchronous=False,
-                                  mapped=False, direct_reads=False, last_local=False))
-        return tuple(specs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The serialized value the connector receives (plain JSON types), without the
-        signing key."""
-        data = asdict(self)
-        for private in ("signing_key", "notes"):
-            data.pop(private)
-        data["curvine_masters"] = list(self.curvine_masters)
-        return data
-
-    @classmethod
-    def from_dict(cls, value: Any, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
-        """A config serialized by ``to_dict`` (or that as a JSON string); the signing key
-        comes from ``env``."""
-        try:
-            data = json.loads(value) if isinstance(value, str) else dict(value)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{CONNECTOR_KEY} in kv_connector_extra_config is not a JSON object: {e}") from None
-        known = {f.name for f in fields(cls)} - {"signing_key", "notes"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{CONNECTOR_KEY} has fields this version does not know: {unknown}")
-        data["curvine_masters"] = tuple(data.get("curvine_masters", ()))
-        key = _Reader(os.environ if env is None else env).get("KVCACHE_SIGNING_KEY") or ""
-        return cls(**data, signing_key=key)
 
 
 def connector_extra(config: CacheConfig) -> dict[str, Any]:
@@ -221,11 +118,14 @@ def config_from_connector(extra: Mapping[str, Any], env: Optional[Mapping[str, s
     (plain ``vllm serve``) the environment of this process."""
     value = (extra or {}).get(CONNECTOR_KEY)
     if value is not None:
-        return CacheConfig.from_dict(value, env)
+        key = _Reader(os.environ if env is None else env).get("KVCACHE_SIGNING_KEY") or ""
+        return CacheConfig.from_dict(value, key)
     stray = sorted(k for k in (extra or {}) if k.lower().startswith("kvcache_"))
     if stray:
-        raise ConfigError(f"kv_connector_extra_config keys {stray} are not read: set the KVCACHE_* "
-                          f"environment variables, or pass {CONNECTOR_KEY} (cache.config.connector_extra)")
+        raise ConfigError(
+            f"kv_connector_extra_config keys {stray} are not read: set the KVCACHE_* "
+            f"environment variables, or pass {CONNECTOR_KEY} (cache.config.connector_extra)"
+        )
     return build_cache_config(env)
 
 
@@ -247,15 +147,16 @@ class _Reader:
             if old_value is None:
                 continue
             if value is not None and value != old_value:
-                raise ConfigError(f"{old}={old_value!r} and {name}={value!r} disagree; {old} is the old "
-                                  f"name of {name}: set only {name}")
+                raise ConfigError(
+                    f"{old}={old_value!r} and {name}={value!r} disagree; {old} is the old "
+                    f"name of {name}: set only {name}"
+                )
             self.notes.append(f"{old} is deprecated: use {name}")
             value = old_value
         return value
 
     def unknown(self) -> list[str]:
-        return sorted(k for k in self.env if k.startswith("KVCACHE_") and k not in SETTINGS
-                      and k not in DEPRECATED)
+        return sorted(k for k in self.env if k.startswith("KVCACHE_") and k not in SETTINGS and k not in DEPRECATED)
 
 
 def _positive_int(r: _Reader, name: str, default: int) -> int:
@@ -281,9 +182,14 @@ def _fraction(r: _Reader, name: str, default: float) -> float:
     return value
 
 
-def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Optional[int] = None,
-                       reserved_ram_bytes: int = 0, kv_bytes_per_token: Optional[int] = None,
-                       workers: int = 1) -> CacheConfig:
+def build_cache_config(
+    env: Optional[Mapping[str, str]] = None,
+    *,
+    ram_bytes: Optional[int] = None,
+    reserved_ram_bytes: int = 0,
+    kv_bytes_per_token: Optional[int] = None,
+    workers: int = 1,
+) -> CacheConfig:
     """The one place that turns the environment into a ``CacheConfig``.
 
     ``ram_bytes``: the RAM the container may use (default: measured); percentages of
@@ -299,14 +205,21 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     chunk_tokens = _positive_int(r, "KVCACHE_CHUNK_TOKENS", d.chunk_tokens)
     entry = chunk_tokens * kv_bytes_per_token + ENTRY_OVERHEAD if kv_bytes_per_token else None
     staging = staging_bytes(r.get("KVCACHE_STAGING_SIZE"), entry, notes)
-    dram_path, dram_bytes = dram_tier(r.get("KVCACHE_DRAM_SIZE"), r.get("KVCACHE_DRAM_PATH"), ram,
-                                      reserved_ram_bytes + staging * max(1, workers), entry, notes)
+    dram_path, dram_bytes = dram_tier(
+        r.get("KVCACHE_DRAM_SIZE"),
+        r.get("KVCACHE_DRAM_PATH"),
+        ram,
+        reserved_ram_bytes + staging * max(1, workers),
+        entry,
+        notes,
+    )
     disk_path = r.get("KVCACHE_DISK_PATH") or d.disk_path
     disk_bytes = disk_tier_bytes(r.get("KVCACHE_DISK_SIZE") or DISK_SHARE, disk_path)
     disk_direct_reads = parse_bool(r, "KVCACHE_DISK_DIRECT_READS", d.disk_direct_reads)
     url = r.get("KVCACHE_SHARED_URL") or ""
-    conf, masters = curvine_client(r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or "",
-                                   url, r.raw("SAGEMAKER_BASE_DIR"))
+    conf, masters = curvine_client(
+        r.get("KVCACHE_CURVINE_CONF") or "", r.get("KVCACHE_CURVINE_MASTERS") or "", url, r.raw("SAGEMAKER_BASE_DIR")
+    )
     timeout_ms = _positive_int(r, "KVCACHE_SHARED_TIMEOUT_MS", d.shared_timeout_ms)
     bandwidth = parse_size(r.get("KVCACHE_SHARED_BANDWIDTH") or "0", None, "KVCACHE_SHARED_BANDWIDTH")
     admission = (r.get("KVCACHE_SHARED_ADMISSION") or d.shared_admission).lower()
@@ -326,14 +239,30 @@ def build_cache_config(env: Optional[Mapping[str, str]] = None, *, ram_bytes: Op
     signing_key = r.get("KVCACHE_SIGNING_KEY") or ""
     notes = list(dict.fromkeys(r.notes)) + notes
     notes += [f"{name} is not a setting of this cache; ignored" for name in r.unknown()]
-    return CacheConfig(chunk_tokens=chunk_tokens, dram_path=dram_path, dram_bytes=dram_bytes,
-                       disk_path=disk_path, disk_bytes=disk_bytes, disk_direct_reads=disk_direct_reads,
-                       shared_url=url, curvine_conf=conf,
-                       curvine_masters=masters, shared_timeout_ms=timeout_ms, shared_bandwidth=bandwidth,
-                       shared_admission=admission, policy=policy, io_threads=io_threads,
-                       pin_max=pin_max, pin_tenant_max=pin_tenant_max, load_decision=load_decision,
-                       layered_loads=layered_loads, weights_hash=weights_hash, staging_bytes=staging,
-                       signing_key=signing_key, notes=tuple(notes))
+    return CacheConfig(
+        chunk_tokens=chunk_tokens,
+        dram_path=dram_path,
+        dram_bytes=dram_bytes,
+        disk_path=disk_path,
+        disk_bytes=disk_bytes,
+        disk_direct_reads=disk_direct_reads,
+        shared_url=url,
+        curvine_conf=conf,
+        curvine_masters=masters,
+        shared_timeout_ms=timeout_ms,
+        shared_bandwidth=bandwidth,
+        shared_admission=admission,
+        policy=policy,
+        io_threads=io_threads,
+        pin_max=pin_max,
+        pin_tenant_max=pin_tenant_max,
+        load_decision=load_decision,
+        layered_loads=layered_loads,
+        weights_hash=weights_hash,
+        staging_bytes=staging,
+        signing_key=signing_key,
+        notes=tuple(notes),
+    )
 
 
 def check_block_size(config: CacheConfig, block_size: int) -> None:
@@ -353,8 +282,7 @@ def cache_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
     return parse_bool(_Reader(os.environ if env is None else env), "KVCACHE_ENABLED", True)
 
 
-def warm_prompts(env: Optional[Mapping[str, str]] = None,
-                 config: Optional[CacheConfig] = None) -> Optional[str]:
+def warm_prompts(env: Optional[Mapping[str, str]] = None, config: Optional[CacheConfig] = None) -> Optional[str]:
     """``KVCACHE_WARM_PROMPTS`` (absolute), or None when unset. ``config`` is the cache
     that will run (None when it is off). The file is checked now, so a bad one stops
     start-up before any engine runs: readable, one JSON object per line
@@ -364,14 +292,17 @@ def warm_prompts(env: Optional[Mapping[str, str]] = None,
         return None
     name = f"KVCACHE_WARM_PROMPTS={path!r}"
     if config is None:
-        raise ConfigError(f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
-                          "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)")
+        raise ConfigError(
+            f"{name} needs the tiered cache, which is off (KVCACHE_ENABLED=false "
+            "or a KV connector of your own in SM_VLLM_KV_TRANSFER_CONFIG)"
+        )
     if not config.has_shared:
-        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set "
-                          "KVCACHE_SHARED_URL too")
+        raise ConfigError(f"{name}: warming publishes prompts to the shared tier; set KVCACHE_SHARED_URL too")
     if config.shared_admission == "none":
-        raise ConfigError(f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
-                          "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS")
+        raise ConfigError(
+            f"{name}: KVCACHE_SHARED_ADMISSION=none publishes nothing to the "
+            "shared tier; use reused or all, or unset KVCACHE_WARM_PROMPTS"
+        )
     read_prompt_file(path, name)
     return os.path.abspath(path)
 
@@ -385,6 +316,8 @@ def warm_dram(env: Optional[Mapping[str, str]] = None, config: Optional[CacheCon
     if not text:
         return 0
     if config is None or not config.has_shared or not config.dram_bytes:
-        raise ConfigError(f"KVCACHE_WARM_DRAM={text!r} copies entries of the shared tier into the DRAM "
-                          "tier: it needs the tiered cache on, KVCACHE_SHARED_URL and a DRAM tier")
+        raise ConfigError(
+            f"KVCACHE_WARM_DRAM={text!r} copies entries of the shared tier into the DRAM "
+            "tier: it needs the tiered cache on, KVCACHE_SHARED_URL and a DRAM tier"
+        )
     return min(parse_size(text, config.dram_bytes, "KVCACHE_WARM_DRAM"), config.dram_bytes)

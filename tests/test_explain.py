@@ -24,15 +24,26 @@ def setup(tmp_path):
 
 
 def make_setup(tmp_path):
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB",
-                              "KVCACHE_SIGNING_KEY": "k"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "16MiB",
+            "KVCACHE_SIGNING_KEY": "k",
+        }
+    )
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager)
-    writer = TieredStore(build_tiers(cfg, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()], signing_key=b"k")
     events: list = []
-    writer.on_event = lambda *e: events.append(e)
+    writer = TieredStore(
+        build_tiers(cfg, ns.id),
+        ns.digest,
+        [LRUPolicy(), LRUPolicy()],
+        signing_key=b"k",
+        on_event=lambda *e: events.append(e),
+    )
 
     def settle():
         writer.flush(10)
@@ -47,8 +58,9 @@ def run(side, writer, settle, req, computed=0):
     n, _ = side.get_num_new_matched_tokens(req, computed)
     if n:
         side.update_state_after_alloc(req, Blocks(list(range(12))), n)
-    meta = side.build_connector_meta(output(new=[(req.request_id, computed + (n or 0))],
-                                            scheduled={req.request_id: 2000}))
+    meta = side.build_connector_meta(
+        output(new=[(req.request_id, computed + (n or 0))], scheduled={req.request_id: 2000})
+    )
     for c in meta.saves:
         writer.put(c.key, c.parent, "uint8", (4,), np.zeros(4, np.uint8))
     settle()
@@ -63,8 +75,10 @@ def test_hit_miss_and_the_last_token(setup):
     assert run(side, writer, settle, request("a", 700)) == [(0, 699, "never_stored", None)]
     assert run(side, writer, settle, request("b", 700)) == [(0, 699, "dram", None)]
     # vLLM's own prefix cache held the first 256: only the rest is ours
-    assert run(side, writer, settle, request("c", 700), computed=256) == [(0, 256, "vllm", None),
-                                                                          (256, 699, "dram", None)]
+    assert run(side, writer, settle, request("c", 700), computed=256) == [
+        (0, 256, "vllm", None),
+        (256, 699, "dram", None),
+    ]
     assert side.explain.take_counts() == {"miss:never_stored:none": 699}
     assert side.explain.take_counts() == {}
 
@@ -84,7 +98,10 @@ def test_evicted_not_admitted_and_after_miss(setup):
     evict(writer, 1, keys[1])
     settle()
     assert run(side, writer, settle, request("b", 1500)) == [
-        (0, 256, "dram", None), (256, 512, "evicted", "disk"), (512, 1499, "after_miss", None)]
+        (0, 256, "dram", None),
+        (256, 512, "evicted", "disk"),
+        (512, 1499, "after_miss", None),
+    ]
     # a request that may not save: the next one is told why nothing was there
     quiet = request("q", 600, seed=9)
     quiet.kv_transfer_params = {"kvcache_save": False}
@@ -137,9 +154,11 @@ def test_a_guess_of_another_tenants_prompt_learns_nothing(tmp_path, guesser):
         seen.append((run(side, writer, settle, req), side.explain.take_counts()))
     assert seen[0][0] == seen[1][0] == seen[2][0] == [(0, 699, "never_stored", None)]
     # operators' aggregate: what another namespace held, and what nobody did
-    assert [counts for _, counts in seen] == [{"miss:other_namespace:none": 699},
-                                              {"miss:never_stored:none": 699},
-                                              {"miss:other_namespace:none": 256, "miss:never_stored:none": 443}]
+    assert [counts for _, counts in seen] == [
+        {"miss:other_namespace:none": 699},
+        {"miss:never_stored:none": 699},
+        {"miss:other_namespace:none": 256, "miss:never_stored:none": 443},
+    ]
 
 
 def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
@@ -159,7 +178,10 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     side.loads_failed(set(load.chunks[1].block_ids))
     why = side.explain_finished(req)
     assert [(r.get("from") or r["computed"], r.get("tier")) for r in why] == [
-        ("dram", None), ("damaged", "dram"), ("after_miss", None)]
+        ("dram", None),
+        ("damaged", "dram"),
+        ("after_miss", None),
+    ]
     assert side.request_finished(req) == {"dram": 256}  # only the chunk before the failure loaded
     # the damaged entry was dropped: the next request is told why it is missing
     assert run(side, writer, settle, request("c", 600))[1] == (256, 512, "damaged", "dram")
@@ -168,6 +190,7 @@ def test_damaged_and_unsigned_entries_found_by_a_load(setup, tmp_path):
     run(side, writer, settle, foreign)
     key = list(side.explain.fates.last)[-1]
     from cache.codec import encode_header
+
     payload = np.zeros(4, np.uint8)
     path = writer.tiers[0].path(key)
     with open(path, "wb") as f:
@@ -242,7 +265,7 @@ def test_writing_recompute_and_shared_down(setup):
     side.get_num_new_matched_tokens(req, 0)
     side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 600}))  # saves sent, not settled
     side.request_finished(req)
-    saving = side._saving  # noqa: SLF001 (issue 29 items 1-3: no public view of pending saves)
+    saving = side.saves.in_flight
     look = side.explain.looked_up([], 0, [(k, 0, 1) for k in saving], [], saving)
     assert {c for c, _t in look.misses} == {"writing"}
     no_load = request("b", 600)
@@ -253,10 +276,8 @@ def test_writing_recompute_and_shared_down(setup):
     assert look.misses == [("shared_unreachable", "shared")] * 2
     # a publish in flight, a read past its deadline, a cost model's choice
     ex = Explainer(b"c" * 16, CHUNK, "dram")
-    ex.worker_events([("k1", "publishing", "shared"), ("k2", "load_timeout", "shared"),
-                      ("k2", "missing", "none")])
-    look = ex.looked_up(list(range(800)), 0, [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 768)],
-                        ["dram"], {})
+    ex.worker_events([("k1", "publishing", "shared"), ("k2", "load_timeout", "shared"), ("k2", "missing", "none")])
+    look = ex.looked_up(list(range(800)), 0, [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 768)], ["dram"], {})
     assert look.misses == [("writing", "shared"), ("load_timeout", "shared")]
     ex.chose_recompute(look, 0)
     assert [r["computed"] for r in ex.finished(look)] == ["recompute", "writing", "load_timeout"]
@@ -274,7 +295,10 @@ def test_a_failed_load_says_what_its_planned_tier_found():
     ex.load_failed(look, "k0")
     ex.worker_events([("k0", "stored", "dram"), ("k0", "shared_unreachable", "shared")])
     assert [(r["computed"], r.get("tier")) for r in ex.finished(look)] == [
-        ("unsigned", "dram"), ("after_miss", None), ("never_stored", None)]
+        ("unsigned", "dram"),
+        ("after_miss", None),
+        ("never_stored", None),
+    ]
     # a load planned from the shared tier is explained by what that tier did
     look = ex.looked_up(list(range(600)), 0, chunks[1:], ["shared"], {})
     ex.worker_events([("k1", "load_timeout", "shared"), ("k1", "missing", "none")])
@@ -284,13 +308,20 @@ def test_a_failed_load_says_what_its_planned_tier_found():
 
 def test_a_rejected_copy_explains_a_miss_while_the_shared_tier_is_down():
     down = Explainer(b"c" * 16, CHUNK, "dram", shared_up=lambda: False)
-    down.worker_events([("k0", "damaged", "dram"), ("k0", "shared_unreachable", "shared"),
-                        ("k1", "stored", "dram"), ("k1", "evicted", "dram"),
-                        ("k2", "unsigned", "dram"), ("k2", "stored", "disk"), ("k2", "evicted", "disk")])
+    down.worker_events(
+        [
+            ("k0", "damaged", "dram"),
+            ("k0", "shared_unreachable", "shared"),
+            ("k1", "stored", "dram"),
+            ("k1", "evicted", "dram"),
+            ("k2", "unsigned", "dram"),
+            ("k2", "stored", "disk"),
+            ("k2", "evicted", "disk"),
+        ]
+    )
     look = down.looked_up(list(range(800)), 0, [("k0", 0, 256), ("k1", 256, 512), ("k2", 512, 768)], [], {})
     # k1 and k2 were lost to eviction: the shared tier, were it up, might have served them
-    assert look.misses == [("damaged", "dram"), ("shared_unreachable", "shared"),
-                           ("shared_unreachable", "shared")]
+    assert look.misses == [("damaged", "dram"), ("shared_unreachable", "shared"), ("shared_unreachable", "shared")]
 
 
 def test_records_are_bounded():
@@ -306,5 +337,15 @@ def test_compact_header_value():
     long = [{"tokens": [i, i + 1], "computed": "never_stored"} for i in range(500)]
     text = compact(long, 1024)
     assert len(text) <= 1024 and text.endswith(f",+{500 - text.count(',')}") and text.isascii()
-    assert set(CAUSES) >= {"never_stored", "evicted", "not_admitted", "other_namespace", "damaged",
-                           "unsigned", "writing", "load_timeout", "shared_unreachable", "recompute"}
+    assert set(CAUSES) >= {
+        "never_stored",
+        "evicted",
+        "not_admitted",
+        "other_namespace",
+        "damaged",
+        "unsigned",
+        "writing",
+        "load_timeout",
+        "shared_unreachable",
+        "recompute",
+    }

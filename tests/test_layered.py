@@ -31,12 +31,20 @@ TARGET = [list(range(8 + c * PER_CHUNK, 8 + (c + 1) * PER_CHUNK)) for c in range
 
 
 def worker(tmp_path, tier):
-    env = {"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB" if tier == "dram" else "0",
-           "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "0" if tier == "dram" else "16MiB"}
+    env = {
+        "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+        "KVCACHE_DRAM_SIZE": "16MiB" if tier == "dram" else "0",
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "KVCACHE_DISK_SIZE": "0" if tier == "dram" else "16MiB",
+    }
     if tier == "shared":
         env["KVCACHE_SHARED_URL"] = f"file://{tmp_path}/l3"
-    side = WorkerSide(build_cache_config(env), Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
-                      num_blocks=16, block_size=BLOCK)
+    side = WorkerSide(
+        build_cache_config(env),
+        Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
+        num_blocks=16,
+        block_size=BLOCK,
+    )
     torch.manual_seed(0)
     caches = {f"layer.{i}": torch.randn(16, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(LAYERS)}
     side.register_kv_caches(caches)
@@ -44,7 +52,7 @@ def worker(tmp_path, tier):
     side.wait_for_save(TieredKVMetadata(saves=saves))
     side.store.flush(10)
     if tier == "shared":
-        for tier_ in side.store.tiers[:side.store.n_local]:
+        for tier_ in side.store.tiers[: side.store.n_local]:
             for k in KEYS:
                 tier_.delete(k)
         assert all(side.store.tiers[-1].contains(k) for k in KEYS)
@@ -53,8 +61,9 @@ def worker(tmp_path, tier):
 
 def load(deadline_s=None, hit_end=3 * CHUNK, compute_tokens=MIN_COMPUTE_TOKENS):
     chunks = [ChunkIO(k, KEYS[c - 1] if c else None, TARGET[c]) for c, k in enumerate(KEYS)]
-    return TieredKVMetadata(loads=[LoadRequest("r", chunks, False, hit_end, deadline_s=deadline_s,
-                                               compute_tokens=compute_tokens)])
+    return TieredKVMetadata(
+        loads=[LoadRequest("r", chunks, False, hit_end, deadline_s=deadline_s, compute_tokens=compute_tokens)]
+    )
 
 
 def in_place(caches, layer, chunks=range(3)):
@@ -114,7 +123,7 @@ def test_a_damaged_layer_fails_its_chunk_and_every_later_one(tmp_path, tier):
         f.seek(-3, 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     events = []
-    side.store.on_event = lambda key, event, tier_: events.append((key, event))
+    side.store.account.on_event = lambda key, event, tier_: events.append((key, event))
     side.start_load_kv(load())
     for layer in range(LAYERS):
         side.wait_for_layer_load(f"layer.{layer}")
@@ -231,7 +240,7 @@ def test_a_part_read_fills_odd_buffers_and_verifies_only_the_whole_payload(signi
     assert len(read.parts) == 3
     for part in range(3):
         read.read_part(BytesReader(raw))
-        assert buf[:35 * (part + 1)] == data.tobytes()[:35 * (part + 1)]
+        assert buf[: 35 * (part + 1)] == data.tobytes()[: 35 * (part + 1)]
     assert read.done
     bad = bytearray(raw)
     bad[-1] ^= 1

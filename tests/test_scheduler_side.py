@@ -25,8 +25,14 @@ class Blocks:
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "16MiB",
+        }
+    )
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], BLOCK, lambda: manager)
@@ -36,16 +42,24 @@ def setup(tmp_path):
 
 def request(req_id, n, seed=0):
     toks = list(np.random.default_rng(seed).integers(0, 250, n))
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=toks, all_token_ids=toks,
-                           lora_request=None, mm_features=None, prompt_embeds=None)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=toks,
+        all_token_ids=toks,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
 
 
 def output(new=(), cached=(), scheduled=None):
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
-                                              num_computed_tokens=[c for _, c in cached]),
-        num_scheduled_tokens=scheduled or {})
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
 
 
 def state(side, req):
@@ -67,8 +81,14 @@ def store_saves(writer, meta):
 def test_cuts_whole_chunks_and_an_exact_tail(setup):
     side, _ = setup
     st = state(side, request("a", 1500))
-    assert [(c.start, c.end) for c in st.chunks] == [(0, 256), (256, 512), (512, 768), (768, 1024),
-                                                     (1024, 1280), (1280, 1500)]
+    assert [(c.start, c.end) for c in st.chunks] == [
+        (0, 256),
+        (256, 512),
+        (512, 768),
+        (768, 1024),
+        (1024, 1280),
+        (1280, 1500),
+    ]
     # a prompt that ends exactly on a chunk boundary: whole chunks only
     st = state(side, request("b", 1024))
     assert [(c.start, c.end) for c in st.chunks][-1] == (768, 1024)
@@ -148,8 +168,14 @@ def test_nothing_saved_twice(setup):
 def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monkeypatch):
     """The same prompt again before write-behind stored its chunks (the warm tool's second
     pass): deferred until every rank reports the saves settled, not served half."""
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "16MiB",
+        }
+    )
     ranks = [Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK, rank=r) for r in range(2)]
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, ranks, BLOCK, lambda: manager)
@@ -175,7 +201,8 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
 
     # the wait counts from the waiting request, not from the save: a save sent before a
     # forward pass longer than the wait still defers a request that arrives after it
-    import cache.vllm.scheduler as sched
+    import cache.vllm.saves as sched
+
     clock = [sched.time.monotonic()]
     monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
     side.get_num_new_matched_tokens(request("e", 700, seed=4), 0)
@@ -191,7 +218,7 @@ def test_waits_for_saves_in_flight_until_every_rank_settles_them(tmp_path, monke
     # and the lost report is forgotten in the end
     clock[0] += sched.SAVE_REPORT_LOST_S
     side.build_connector_meta(output())
-    assert side._saving == {}  # noqa: SLF001 (issue 29 items 1-3: no public view of pending saves)
+    assert side.saves.in_flight == {}
 
 
 def test_a_request_can_opt_out_of_loading_or_saving(setup):

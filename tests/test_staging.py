@@ -15,7 +15,7 @@ from cache.keys import Namespace, chunk_keys
 from cache.vllm.metadata import ChunkIO, TieredKVMetadata
 from cache.vllm.worker import WorkerSide
 
-BLOCK, CHUNK, LAYERS = 16, 32, 2   # a chunk is two blocks
+BLOCK, CHUNK, LAYERS = 16, 32, 2  # a chunk is two blocks
 NS = Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK)
 KEYS = chunk_keys(NS.digest, list(range(CHUNK * 12)), CHUNK)
 
@@ -31,9 +31,15 @@ def until(condition, timeout: float = 20.0) -> bool:
 
 def worker(tmp_path, slots: int, **extra) -> tuple[WorkerSide, dict]:
     entry = LAYERS * 2 * BLOCK * 2 * 8 * 2  # bytes of one chunk: 2 blocks of [16 tokens, 2 heads, 8] bf16
-    env = {"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-           "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "0",
-           "KVCACHE_CHUNK_TOKENS": str(CHUNK), "KVCACHE_STAGING_SIZE": str(entry * slots), **extra}
+    env = {
+        "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+        "KVCACHE_DRAM_SIZE": "16MiB",
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "KVCACHE_DISK_SIZE": "0",
+        "KVCACHE_CHUNK_TOKENS": str(CHUNK),
+        "KVCACHE_STAGING_SIZE": str(entry * slots),
+        **extra,
+    }
     side = WorkerSide(build_cache_config(env), NS, num_blocks=32, block_size=BLOCK)
     torch.manual_seed(0)
     caches = {f"layer.{i}": torch.randn(32, BLOCK, 2, 8).to(torch.bfloat16) for i in range(LAYERS)}
@@ -58,7 +64,7 @@ def test_a_burst_of_saves_stays_within_the_staging_pool(tmp_path, monkeypatch):
     side, caches = worker(tmp_path, slots=3)
     go = blocked(side.store.tiers[0])
     events = []
-    side.store.on_event = lambda key, event, tier: events.append((key, event, tier))
+    side.store.account.on_event = lambda key, event, tier: events.append((key, event, tier))
     big = []  # host allocations of a block or more while the burst is saved
     empty = torch.empty
 
@@ -93,8 +99,7 @@ def test_a_burst_of_saves_stays_within_the_staging_pool(tmp_path, monkeypatch):
 def test_a_publish_queued_past_the_write_keeps_its_own_copy_of_a_reused_slot(tmp_path):
     """One slot: save A is written locally and queued for the shared tier (whose writes
     wait); its slot goes back and save B overwrites it; A is still published as A."""
-    side, caches = worker(tmp_path, slots=1, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3",
-                          KVCACHE_SHARED_ADMISSION="all")
+    side, caches = worker(tmp_path, slots=1, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3", KVCACHE_SHARED_ADMISSION="all")
     go = blocked(side.store.tiers[-1])
     side.wait_for_save(TieredKVMetadata(saves=[ChunkIO(KEYS[0], None, [0, 1])]))
     assert until(lambda: side.staging.in_use() == 0)  # written locally; its publish waits

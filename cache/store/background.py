@@ -5,7 +5,9 @@ evictions, demotions and promotions they cause) on one writer thread, in submiss
 so a chain's parent is always stored before its child, and publishes to the shared tier on
 one publisher thread. ``thread_setup(role)`` runs first on each thread ("read", "write",
 "publish"; ``cache.threads``). Background work never raises into the engine: an exception
-is logged and the work is dropped. ``flush`` waits for the writer and publisher work (and
+is logged and the work is dropped. New entries wait for the writer thread within a bound
+on their bytes (``write_bounded``): past it an entry is dropped, never queued without
+limit (memory) nor waited for (the engine's step). ``flush`` waits for the writer and publisher work (and
 what it submits in turn); reads are the caller's to wait for.
 """
 
@@ -23,8 +25,13 @@ log = logging.getLogger("cache.store")
 class Background:
     """The pools of one writer store and its pending writer/publisher work."""
 
-    def __init__(self, io_threads: int, publisher: bool,
-                 thread_setup: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        io_threads: int,
+        publisher: bool,
+        thread_setup: Optional[Callable[[str], None]] = None,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
         def pool(n: int, role: str) -> ThreadPoolExecutor:
             def setup() -> None:
                 if thread_setup is not None:
@@ -37,6 +44,8 @@ class Background:
         self._publisher = pool(1, "publish") if publisher else None
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._max_pending_bytes = max_pending_bytes
 
     def read(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on a read thread (not waited for by ``flush``)."""
@@ -45,6 +54,23 @@ class Background:
     def write(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the writer thread, after what was submitted before."""
         return self._track(self._writer.submit(_guard, fn, *args))
+
+    def write_bounded(self, nbytes: int, settled: Callable[[], None], fn: Callable, *args) -> bool:
+        """``write(fn, *args)`` for ``nbytes`` of new data, unless the writes queued so far
+        hold more than ``max_pending_bytes`` with it: then nothing is queued and False is
+        returned. ``settled()`` runs once the write is done (on the writer thread)."""
+        with self._lock:
+            if self._pending_bytes + nbytes > self._max_pending_bytes:
+                return False
+            self._pending_bytes += nbytes
+
+        def done(_f: Future) -> None:
+            with self._lock:
+                self._pending_bytes -= nbytes
+            settled()
+
+        self.write(fn, *args).add_done_callback(done)
+        return True
 
     def publish(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the publisher thread."""

@@ -106,48 +106,57 @@ class TieredStore:
             raise ValueError("one policy per tier")
         self.admission = SharedAdmission(shared_admission)
         self.account = Accounting([t.name for t in self.tiers], on_event)
-        self._lock = threading.Lock()   # the policies and the admission rule
-        self._pending_bytes = 0
-        self._max_pending = max_pending_bytes
-        self._closing = False   # close() began: copy_up copies nothing more
+        self._lock = threading.Lock()  # the policies and the admission rule
+        self._closing = False  # close() began: copy_up copies nothing more
         self._background: Optional[Background] = None
         self.writer: Optional[TierWriter] = None
         if self.policies is not None:
-            self._background = bg = Background(io_threads, self.shared is not None, thread_setup)
-            publisher = (Publisher(self.shared, self.account, bg.publish, max_publish_bytes)
-                         if self.shared is not None else None)
-            self.writer = TierWriter(self.tiers, self.layout, self.policies, self._lock, self.admission,
-                                      self.account, publisher, bg, namespace, signing_key, pins)
+            self._background = bg = Background(io_threads, self.shared is not None, thread_setup, max_pending_bytes)
+            publisher = (
+                Publisher(self.shared, self.account, bg.publish, max_publish_bytes) if self.shared is not None else None
+            )
+            self.writer = TierWriter(
+                self.tiers,
+                self.layout,
+                self.policies,
+                self._lock,
+                self.admission,
+                self.account,
+                publisher,
+                bg,
+                namespace,
+                signing_key,
+                pins,
+            )
             for i in range(self.n_local):
                 self.writer.adopt(i)
-        self.reads = Reads(self.tiers, self.layout, namespace, signing_key, self.account, self._lock,
-                           self.admission, self.writer, self._background, timer)
+        self.reads = Reads(
+            self.tiers,
+            self.layout,
+            namespace,
+            signing_key,
+            self.account,
+            self._lock,
+            self.admission,
+            self.writer,
+            self._background,
+            timer,
+        )
         # Keys used again, to copy down to the last local tier (none with one local tier).
-        self._copies = (CopyQueue(max_persist_keys, self._background.write, self.writer.copy_down)
-                        if self.writer is not None and self._background is not None and self.n_local >= 2
-                        else None)
+        self._copies = (
+            CopyQueue(max_persist_keys, self._background.write, self.writer.copy_down)
+            if self.writer is not None and self._background is not None and self.n_local >= 2
+            else None
+        )
 
     # -- collaborators -----------------------------------------------------------
     @property
     def stats(self) -> StoreStats:
         return self.account.stats
 
-    # ``on_event`` and ``timer`` are given to the constructor; tests replace the sink, and a
-    # benchmark's timer is set once the engine built the store (``WorkerSide.set_timer``).
-    @property
-    def on_event(self) -> Optional[EventSink]:
-        return self.account.on_event
-
-    @on_event.setter
-    def on_event(self, sink: Optional[EventSink]) -> None:
-        self.account.on_event = sink
-
-    @property
-    def timer(self) -> Optional[Timer]:
-        return self.reads.timer
-
-    @timer.setter
-    def timer(self, timer: Optional[Timer]) -> None:
+    # ``on_event`` and ``timer`` are given to the constructor; a benchmark's timer comes once
+    # the engine built the store (``WorkerSide.set_timer``).
+    def set_timer(self, timer: Optional[Timer]) -> None:
         self.reads.timer = timer
 
     @property
@@ -184,8 +193,7 @@ class TieredStore:
         """``get`` on an I/O thread."""
         return self._bg().read(self.get, key)
 
-    def get_into(self, key: str, place: Place, writers: Optional[BlockWriters] = None,
-                 local_only: bool = False):
+    def get_into(self, key: str, place: Place, writers: Optional[BlockWriters] = None, local_only: bool = False):
         """Like ``get``, for tiers that read entries in place (files, local or shared):
         the payload is read straight into the buffers ``place(info)`` returns and
         verified there (``cache.placed``). Returns ``(tier, info)``, ``tier`` the ``TierId``
@@ -213,9 +221,18 @@ class TieredStore:
         return self._bg().read(fn, *args)
 
     # -- writes (write-behind; ``cache.store.writer``) ---------------------------------
-    def put(self, key: str, parent: Optional[str], dtype: str, shape: Sequence[int], payload: Buffer,
-            shared: bool = False, on_done: Optional[Callable[[str], None]] = None,
-            ready: Optional[Callable[[], None]] = None, borrowed: bool = False) -> bool:
+    def put(
+        self,
+        key: str,
+        parent: Optional[str],
+        dtype: str,
+        shape: Sequence[int],
+        payload: Buffer,
+        shared: bool = False,
+        on_done: Optional[Callable[[str], None]] = None,
+        ready: Optional[Callable[[], None]] = None,
+        borrowed: bool = False,
+    ) -> bool:
         """Queue ``payload`` for the top tier; returns at once. The caller must not
         change ``payload`` afterwards. ``shared`` publishes it to the shared tier too,
         whatever the admission rule (a prefix marked shared, e.g. by the warm tool).
@@ -226,30 +243,17 @@ class TieredStore:
         still in flight); the writer thread calls it before reading them. ``borrowed``:
         the caller reuses ``payload`` once ``on_done`` ran (a staging slot), so a publish
         to the shared tier, queued past the write, takes a copy."""
-        background, writer = self._bg(), self.writer
+        writer = self.writer
         assert writer is not None, "lookup-only store"
-        nbytes = memoryview(payload).nbytes
+        settled = (lambda: on_done(key)) if on_done is not None else (lambda: None)
+        args = (key, parent, dtype, tuple(shape), payload, shared, ready, borrowed)
+        if self._bg().write_bounded(memoryview(payload).nbytes, settled, writer.write_new, *args):
+            return True
         with self._lock:
-            dropped = self._pending_bytes + nbytes > self._max_pending
-            if dropped:
-                self.stats.dropped_writes += 1
-                self.account.note(key, "not_admitted", "all")
-            else:
-                self._pending_bytes += nbytes
-        if dropped:
-            if on_done is not None:
-                on_done(key)
-            return False
-
-        def settled(_f: Future) -> None:
-            with self._lock:
-                self._pending_bytes -= nbytes
-            if on_done is not None:
-                on_done(key)
-
-        background.write(writer.write_new, key, parent, dtype, tuple(shape), payload, shared,
-                         ready, borrowed).add_done_callback(settled)
-        return True
+            self.stats.dropped_writes += 1
+        self.account.note(key, "not_admitted", "all")
+        settled()
+        return False
 
     def share(self, key: str) -> None:
         """Publish ``key``'s local entry to the shared tier now, whatever the admission rule
@@ -340,8 +344,10 @@ class TieredStore:
 
     def describe(self) -> str:
         """``dram=1,048,576B, disk=..., shared=shared``: the tiers, for a log line."""
-        return ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared"
-                         for t in self.tiers) or "none"
+        return (
+            ", ".join(f"{t.name}={t.capacity:,}B" if t.capacity is not None else f"{t.name}=shared" for t in self.tiers)
+            or "none"
+        )
 
     # -- lifecycle -------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -357,8 +363,13 @@ class TieredStore:
             flushed = self._background.flush(timeout)
             if not flushed:
                 left, copies = self._background.pending(), len(self._copies or ())
-                log.warning("kvcache: closing with %d background writes and %d copies to disk left "
-                            "after %.1f s; they are dropped (future misses)", left, copies, timeout or 0)
+                log.warning(
+                    "kvcache: closing with %d background writes and %d copies to disk left "
+                    "after %.1f s; they are dropped (future misses)",
+                    left,
+                    copies,
+                    timeout or 0,
+                )
             self._background.shutdown()
         for t in self.tiers:
             t.close()
@@ -382,5 +393,3 @@ class TieredStore:
                 with self._lock:
                     tracked = [k for k in present if k in self.policies[i]]
                 assert len(tracked) == len(present), f"{tier.name}: untracked entries"
-
-

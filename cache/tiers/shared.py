@@ -11,8 +11,8 @@ two nodes writing one key at once is harmless; nothing read here is trusted (the
 decodes and verifies every entry; a rejected one is ignored for a while, never deleted);
 space is Curvine's to manage (quota, TTL): ``capacity`` is None.
 
-Never blocking serving: ``contains`` answers from memory, a set of keys known to be
-present, learnt from a background listing (every ``refresh_s``), from this process's
+Never blocking serving: ``contains`` answers from memory (``cache.tiers.shared_index``),
+the keys known to be present, learnt from a background listing (every ``refresh_s``), from this process's
 writes and reads, and from existence checks that ``probe`` starts in the background for
 keys the scheduler asks about. ``probe`` says whether answers are still pending, so the
 scheduler can defer a request (bounded) instead of waiting in its loop; ``knows_contents``
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable, Iterator, Optional, Sequence
 
 from cache.codec import CorruptEntry
@@ -33,20 +32,17 @@ from cache.placed import LoadEnded
 from cache.tiers.base import Buffer, Tier
 from cache.tiers.layout import TMP_MARK, entry_path, is_key, temp_path
 from cache.tiers.resilience import DaemonPool, Guard, Pacer, SharedUnavailable
+from cache.tiers.shared_index import SharedIndex
 from cache.tiers.transport import FsOps, ops_for
 
-STALE_TMP_SECONDS = 3600     # a temporary file this old is a crashed writer's debris
-WAVE = 16                    # existence checks sent at once for one chain
-ABSENT_TTL_SECONDS = 5.0     # a key found absent is not asked about again for this long
-REJECT_SECONDS = 600.0       # a rejected (bad or foreign) entry is ignored this long
-MAX_KNOWN = 2_000_000        # bound on the in-memory key set (~200 MB at most)
-MAX_REMEMBERED = 100_000     # bound on the absent/rejected maps
+STALE_TMP_SECONDS = 3600  # a temporary file this old is a crashed writer's debris
+WAVE = 16  # existence checks sent at once for one chain
 WRITE_BYTES_PER_SECOND = 50e6  # a write's deadline grows by its size at this rate
 
 
 class SharedTier(Tier):
-    shared = True      # the store publishes to it by rule and never evicts from it
-    capacity = None    # space is the backend's to manage (Curvine quota and TTL)
+    shared = True  # the store publishes to it by rule and never evicts from it
+    capacity = None  # space is the backend's to manage (Curvine quota and TTL)
 
     def __init__(
         self,
@@ -82,18 +78,22 @@ class SharedTier(Tier):
         self._open_lock = threading.Lock()
         self._clock = clock
         self._setup = (lambda: thread_setup("shared")) if thread_setup is not None else None
-        self._guard = Guard(name, label or self.root, timeout_s=timeout_s, io_threads=io_threads,
-                            failure_threshold=failure_threshold, backoff_s=backoff_s,
-                            max_backoff_s=max_backoff_s, clock=clock, setup=self._setup)
+        self._guard = Guard(
+            name,
+            label or self.root,
+            timeout_s=timeout_s,
+            io_threads=io_threads,
+            failure_threshold=failure_threshold,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            clock=clock,
+            setup=self._setup,
+        )
         self.health = self._guard.health
         self._breaker = self._guard.breaker
         self._prober = DaemonPool(1, f"kvcache-{name}-probe", self._setup)
         self._lock = threading.Lock()
-        self._known: set[str] = set()
-        self._absent: OrderedDict[str, float] = OrderedDict()  # key -> ask again after
-        self._rejected: dict[str, float] = {}                    # key -> ignore until
-        self._checking: set[str] = set()
-        self._delta: Optional[tuple[set, set]] = None  # (added, removed) during a listing
+        self.index = SharedIndex(clock)  # what this process knows the tier holds
         self._dirs: set[str] = set()
         self._used = 0
         self._stop = threading.Event()
@@ -128,35 +128,10 @@ class SharedTier(Tier):
     def path(self, key: str) -> str:
         return entry_path(self.folder, key)
 
-    def _learn(self, key: str) -> None:
-        with self._lock:
-            if len(self._known) < MAX_KNOWN:
-                self._known.add(key)
-            self._absent.pop(key, None)
-            if self._delta is not None:
-                self._delta[0].add(key)
-                self._delta[1].discard(key)
-
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            self._known.discard(key)
-            if self._delta is not None:
-                self._delta[1].add(key)
-                self._delta[0].discard(key)
-
-    def _is_rejected(self, key: str) -> bool:
-        until = self._rejected.get(key)
-        return until is not None and until > self._clock()
-
     def reject(self, key: str) -> None:
         """Ignore ``key`` for a while: its entry failed verification here. The entry is
         left in place (it may be valid for a node with another signing key)."""
-        with self._lock:
-            if len(self._rejected) >= MAX_REMEMBERED:
-                now = self._clock()
-                self._rejected = {k: t for k, t in self._rejected.items() if t > now}
-            self._rejected[key] = self._clock() + REJECT_SECONDS
-            self._known.discard(key)
+        self.index.reject(key)
 
     @property
     def up(self) -> bool:
@@ -171,8 +146,7 @@ class SharedTier(Tier):
     # -- Tier protocol ------------------------------------------------------------
     def contains(self, key: str) -> bool:
         """From memory only (never I/O): known present, tier up, not rejected."""
-        return key in self._known and self._breaker.up and not (
-            self._rejected and self._is_rejected(key))
+        return self._breaker.up and self.index.contains(key)
 
     def knows_contents(self) -> bool:
         """True once a background listing completed (it starts one now)."""
@@ -185,19 +159,7 @@ class SharedTier(Tier):
         self._start_refresh()
         if self._breaker.waiting():
             return False  # down: nothing will come
-        batch, pending = [], False
-        now = self._clock()
-        with self._lock:
-            for k in keys:
-                if k in self._known:
-                    continue
-                if self._absent.get(k, 0.0) > now or (self._rejected and self._is_rejected(k)):
-                    break  # the chain stops here
-                if k in self._checking:
-                    pending = True
-                    continue
-                batch.append(k)
-            self._checking.update(batch)
+        batch, pending = self.index.to_check(keys)
         if batch:
             self._prober.submit(self._check_chain, batch)
         return pending or bool(batch)
@@ -206,42 +168,32 @@ class SharedTier(Tier):
         """Existence checks, ``WAVE`` at a time, up to the first absent key."""
         try:
             for start in range(0, len(keys), WAVE):
-                wave = keys[start:start + WAVE]
+                wave = keys[start : start + WAVE]
                 futures = [self._guard.submit(self._do, "exists", self.path(k)) for k in wave]
                 deadline = time.monotonic() + self.timeout_s
                 present = [bool(self._guard.wait(f, "exists", deadline - time.monotonic())) for f in futures]
                 for k, p in zip(wave, present):
                     if p:
-                        self._learn(k)
+                        self.index.learn(k)
                     else:
-                        self._note_absent(k)
+                        self.index.absent(k)
                 if not all(present):
                     return
         except (SharedUnavailable, TimeoutError):
             return  # counted by the breaker; the scheduler answers with what is known
         finally:
-            with self._lock:
-                self._checking.difference_update(keys)
+            self.index.checked(keys)
 
     def recheck(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            for k in keys:
-                self._absent.pop(k, None)
-
-    def _note_absent(self, key: str) -> None:
-        with self._lock:
-            self._absent[key] = self._clock() + ABSENT_TTL_SECONDS
-            self._absent.move_to_end(key)
-            while len(self._absent) > MAX_REMEMBERED:
-                self._absent.popitem(last=False)
+        self.index.recheck(keys)
 
     def read(self, key: str) -> Buffer:
         try:
             data = self.call("read", self.path(key))
         except FileNotFoundError:
-            self._forget(key)
+            self.index.forget(key)
             raise KeyError(key) from None
-        self._learn(key)
+        self.index.learn(key)
         return data
 
     reads_in_place = True
@@ -254,9 +206,9 @@ class SharedTier(Tier):
         try:
             result, refused = self.call("read_with", self.path(key), use)
         except FileNotFoundError:
-            self._forget(key)
+            self.index.forget(key)
             raise KeyError(key) from None
-        self._learn(key)
+        self.index.learn(key)
         if refused is not None:
             raise refused
         return result
@@ -281,7 +233,7 @@ class SharedTier(Tier):
     def write(self, key: str, parts: Sequence[Buffer], nbytes: int) -> bool:
         final = self.path(key)
         if self.call("exists", final):
-            self._learn(key)
+            self.index.learn(key)
             return False
         shard = final.rsplit("/", 1)[0]
         if shard not in self._dirs:
@@ -302,13 +254,13 @@ class SharedTier(Tier):
             except SharedUnavailable:
                 if not self.call("exists", final):
                     raise
-                self._learn(key)  # another node published it first: harmless
+                self.index.learn(key)  # another node published it first: harmless
                 self._discard(tmp)
                 return False
         except BaseException:
             self._discard(tmp)
             raise
-        self._learn(key)
+        self.index.learn(key)
         with self._lock:
             self._used += nbytes
         return True
@@ -324,7 +276,7 @@ class SharedTier(Tier):
             self.call("remove", path)
         except FileNotFoundError:
             size = 0
-        self._forget(key)
+        self.index.forget(key)
         with self._lock:
             self._used = max(0, self._used - size)
         return size
@@ -364,8 +316,9 @@ class SharedTier(Tier):
         if self._refresher is None and self.refresh_s > 0:
             with self._lock:
                 if self._refresher is None:
-                    self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
-                                                       name=f"kvcache-{self.name}-list")
+                    self._refresher = threading.Thread(
+                        target=self._refresh_loop, daemon=True, name=f"kvcache-{self.name}-list"
+                    )
                     self._refresher.start()
 
     def _refresh_loop(self) -> None:
@@ -376,21 +329,14 @@ class SharedTier(Tier):
             delay = self.refresh_s
             if self._breaker.waiting():
                 continue
-            with self._lock:
-                self._delta = (set(), set())
+            self.index.listing_started()
             try:
-                names = {key for key, _size in self._entries()}
+                names: Optional[set[str]] = {key for key, _size in self._entries()}
             except (SharedUnavailable, TimeoutError):
                 names = None
-            with self._lock:
-                added, removed = self._delta
-                self._delta = None
-                if names is not None:
-                    fresh = (names - removed) | added
-                    if len(fresh) > MAX_KNOWN:
-                        fresh = set(list(fresh)[:MAX_KNOWN])
-                    self._known = fresh
-                    self._listed.set()
+            self.index.listing_done(names)
+            if names is not None:
+                self._listed.set()
 
     def close(self) -> None:
         self._stop.set()

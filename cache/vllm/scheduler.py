@@ -10,14 +10,14 @@ Shared tier (L3). Its ``contains`` answers from memory; for chunks it does not k
 comes first; then it goes on with what is known. Loads from L3 are asynchronous (worker
 threads) like every load below DRAM, unless no other request is running.
 
-Saves in flight. Saves are written behind the forward pass, so a request can arrive
-before the chunks an earlier request just computed are on a tier (the same prompt
-again once vLLM's own prefix cache dropped it, the warm tool's second pass). A request
-whose next missing chunk is still being written is deferred the same way until every
-rank's worker reports that save settled (``saves_settled``), at most ``SAVE_WAIT_MAX_S``
-from its first deferral. (That wait counts from the request, not from the save: a save
-is sent before the forward pass that computes its chunk, and a long prefill on a slow
-host may take longer than the wait.)
+Saves in flight (``cache.vllm.saves``). Saves are written behind the forward pass, so a
+request can arrive before the chunks an earlier request just computed are on a tier (the
+same prompt again once vLLM's own prefix cache dropped it, the warm tool's second pass).
+A request whose next missing chunk is still being written is deferred the same way until
+every rank's worker reports that save settled (``saves_settled``), at most
+``SAVE_WAIT_MAX_S`` from its first deferral. (That wait counts from the request, not from
+the save: a save is sent before the forward pass that computes its chunk, and a long
+prefill on a slow host may take longer than the wait.)
 
 Chunk boundaries. A prompt of *n* tokens is cut into whole chunks and one partial
 *tail* chunk holding the rest of the prompt (keyed by exactly those tokens); saves and
@@ -47,13 +47,14 @@ from cache.explain import Explainer, Lookup
 from cache.keys import Namespace, prompt_chunks
 from cache.popularity import Popularity
 from cache.request_params import LOAD, SAVE, request_wants
-from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, null_block, window_chunks
-from cache.vllm.hits import entry, find_hit, load_spans, plan_loads
+from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, window_chunks
+from cache.vllm.hits import find_hit, load_spans, plan_loads
 from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.namespace import Salts
 from cache.vllm.pinning import Pinner
 from cache.vllm.planner import LoadPlanner
+from cache.vllm.saves import Saves
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,10 +64,6 @@ log = logging.getLogger(__name__)
 
 # Longest a new request waits for the shared tier to say whether it holds its prefix.
 LOOKUP_WAIT_MAX_S = 0.5
-# Longest a request waits for a chunk sent to be saved (write-behind) to land.
-SAVE_WAIT_MAX_S = 2.0
-# A save not reported settled this long after it was sent is forgotten (a report lost).
-SAVE_REPORT_LOST_S = 60.0
 
 
 @dataclass
@@ -74,16 +71,16 @@ class Chunk:
     key: str
     parent: Optional[str]
     start: int  # first token
-    end: int    # one past the last token
+    end: int  # one past the last token
     keys: tuple[str, ...] = ()  # entry key per entry kind (groups.EntryKind.key)
 
 
 @dataclass
 class RequestState:
     request: "Request"
-    chunks: list[Chunk] = field(default_factory=list)   # looked up, and saved once computed
-    next_save: int = 0                                   # first chunk not yet saved
-    n_tokens: int = -1                                   # token count the chunks were cut for
+    chunks: list[Chunk] = field(default_factory=list)  # looked up, and saved once computed
+    next_save: int = 0  # first chunk not yet saved
+    n_tokens: int = -1  # token count the chunks were cut for
     pending_load: Optional[LoadRequest] = None
     planned: dict[str, int] = field(default_factory=dict)
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
@@ -99,11 +96,20 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, config: CacheConfig, namespaces: list[Namespace], block_size: int,
-                 kv_cache_manager_getter, layout: Optional[GroupLayout] = None,
-                 retention_interval: Optional[int] = 0, bytes_per_block: int = 0,
-                 pinner: Optional[Pinner] = None, curves: Optional[Curves] = None,
-                 popularity: Optional[Popularity] = None, kind_bytes: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        namespaces: list[Namespace],
+        block_size: int,
+        kv_cache_manager_getter,
+        layout: Optional[GroupLayout] = None,
+        retention_interval: Optional[int] = 0,
+        bytes_per_block: int = 0,
+        pinner: Optional[Pinner] = None,
+        curves: Optional[Curves] = None,
+        popularity: Optional[Popularity] = None,
+        kind_bytes: tuple[int, ...] = (),
+    ) -> None:
         """``bytes_per_block``: KV bytes of one block on one rank, every layer (0: unknown);
         ``popularity``: counts each request's chunks for the shared tier's notes (``cache.popularity``);
         ``kind_bytes``: per entry kind, bytes of a block (``groups.kind_block_bytes``; hybrid models)."""
@@ -126,26 +132,29 @@ class SchedulerSide:
         self.tier_names = [t.name for t in specs]
         self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
         # Load or recompute, per request, from costs measured online (cache.cost).
-        self.planner = LoadPlanner(self.tier_names, {t.name for t in specs if t.synchronous}, block_size,
-                                   bytes_per_block=bytes_per_block, decide=config.load_decision == "cost",
-                                   kind_bytes=kind_bytes if self.layout.hybrid else ())
+        self.planner = LoadPlanner(
+            self.tier_names,
+            {t.name for t in specs if t.synchronous},
+            block_size,
+            bytes_per_block=bytes_per_block,
+            decide=config.load_decision == "cost",
+            kind_bytes=kind_bytes if self.layout.hybrid else (),
+        )
         for view in self.views:  # the shared tier starts listing what it holds now, not at
-            view.probe([])       # the first request (which would then wait for it)
-        self._kv_manager = kv_cache_manager_getter
+            view.probe([])  # the first request (which would then wait for it)
+        self.saves = Saves(self.layout, self.views, kv_cache_manager_getter, block_size, pinner)
         self.lookup_wait = min(config.shared_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.has_shared else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
-        self._reused: dict[str, None] = {}    # ordered set of stored entry keys new requests found
+        self._reused: dict[str, None] = {}  # ordered set of stored entry keys new requests found
         # Requests the last step ran that are not finished: while there are none, loads from
         # any tier run before the forward pass (nothing to stall).
         self._running: set[str] = set()
-        # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
-        # it], in the order sent (so those times ascend).
-        self._saving: dict[str, list] = {}
         shared = [v.shared for v in self.views if v.shared is not None]
-        self.explain = Explainer(self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none",
-                                 lambda: all(t.up for t in shared))
+        self.explain = Explainer(
+            self.chain, self.chunk, self.tier_names[0] if self.tier_names else "none", lambda: all(t.up for t in shared)
+        )
 
     # -- chunking --------------------------------------------------------------
     def _state(self, request: "Request") -> RequestState:
@@ -158,21 +167,27 @@ class SchedulerSide:
             if self.popularity is not None:
                 self.popularity.observe(st.chunks)
             if self.layout.windows:
-                st.checkpoints = checkpoints([(c.start, c.end) for c in st.chunks], st.n_tokens,
-                                             self.chunk, self.retention_interval)
+                st.checkpoints = checkpoints(
+                    [(c.start, c.end) for c in st.chunks], st.n_tokens, self.chunk, self.retention_interval
+                )
                 self._plan_window_saves(st)
         return st
 
     def _plan_window_saves(self, st: RequestState) -> None:
         bounds = [(c.start, c.end) for c in st.chunks]
-        st.window_saves = {i: window_chunks(k, bounds, st.checkpoints, self.block_size)
-                           for i, k in enumerate(self.layout.kinds) if not k.full}
+        st.window_saves = {
+            i: window_chunks(k, bounds, st.checkpoints, self.block_size)
+            for i, k in enumerate(self.layout.kinds)
+            if not k.full
+        }
 
     def _cut(self, tokens, request) -> list[Chunk]:
         """The prompt's chunks, for lookups and for saves alike."""
         cut, kinds = prompt_chunks(self.chain, tokens, self.chunk, self.salt(request)), self.layout.kinds
-        return [Chunk(k, cut[i - 1][0] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
-                for i, (k, s, e) in enumerate(cut)]
+        return [
+            Chunk(k, cut[i - 1][0] if i else None, s, e, tuple(kind.key(k) for kind in kinds))
+            for i, (k, s, e) in enumerate(cut)
+        ]
 
     def _cacheable(self, request: "Request") -> bool:
         # Multimodal inputs and prompt embeddings change the KV, not the token ids: never cached.
@@ -191,14 +206,17 @@ class SchedulerSide:
             return 0, False
         # The longest hit every entry kind can serve, and the keys that would make it longer.
         plan, missing, found = find_hit(self.layout, self.views, st.chunks, st.n_tokens, num_computed_tokens)
-        if (missing and st.chunks[-1].end > num_computed_tokens
-                and (any(self._awaiting_save(st, k) for k in missing) or self._awaiting_shared(st, missing))):
+        if (
+            missing
+            and st.chunks[-1].end > num_computed_tokens
+            and (any(self.saves.awaiting(st, k) for k in missing) or self._awaiting_shared(st, missing))
+        ):
             return None, False  # ask again at the next step
         st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
             loads = [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
-            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[:len(found)]] + loads))
+            self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[: len(found)]] + loads))
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
             self._plan_window_saves(st)
@@ -216,8 +234,15 @@ class SchedulerSide:
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         asynchronous = self.layout.hybrid or (not inline and any(x.tier not in self.sync_tiers for x in plan.loads))
         st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
-        st.pending_load = LoadRequest(request.request_id, chunks, asynchronous, hit_end,  # then computes the rest
-                                      cost.estimate_s, cost.deadline_s, st.n_tokens - hit_end)
+        st.pending_load = LoadRequest(
+            request.request_id,
+            chunks,
+            asynchronous,
+            hit_end,  # then computes the rest
+            cost.estimate_s,
+            cost.deadline_s,
+            st.n_tokens - hit_end,
+        )
         return hit_end - num_computed_tokens, asynchronous
 
     def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int, inline: bool):
@@ -232,14 +257,21 @@ class SchedulerSide:
             cut = None
         else:
             last = plan.loads[cost.chunks - 1].chunk
-            cut = HitPlan(last + 1, min(st.chunks[last].end, st.n_tokens - 1), plan.loads[:cost.chunks])
-        self.explain.chose_recompute(st.why, min(x.chunk for x in plan.loads[cost.chunks:]))
+            cut = HitPlan(last + 1, min(st.chunks[last].end, st.n_tokens - 1), plan.loads[: cost.chunks])
+        self.explain.chose_recompute(st.why, min(x.chunk for x in plan.loads[cost.chunks :]))
         return cut, cost
 
     def _looked_up(self, st: RequestState, l0: int, found: list[str], load: bool = True) -> Lookup:
-        return self.explain.looked_up(st.request.prompt_token_ids or [], l0,
-                                      [(c.key, c.start, c.end) for c in st.chunks], found, self._saving,
-                                      self.salt(st.request), load, request_wants(st.request, SAVE))
+        return self.explain.looked_up(
+            st.request.prompt_token_ids or [],
+            l0,
+            [(c.key, c.start, c.end) for c in st.chunks],
+            found,
+            self.saves.in_flight,
+            self.salt(st.request),
+            load,
+            request_wants(st.request, SAVE),
+        )
 
     def _awaiting_shared(self, st: RequestState, keys: list[str]) -> bool:
         """Whether to defer the request while the shared tier is asked about ``keys``:
@@ -254,27 +286,12 @@ class SchedulerSide:
             st.probe_until = now + self.lookup_wait
         return now < st.probe_until
 
-    def _awaiting_save(self, st: RequestState, key: str) -> bool:
-        """Whether to defer the request while ``key`` is being saved: until the save
-        settles, at most ``SAVE_WAIT_MAX_S`` after the request's first deferral."""
-        if key not in self._saving:
-            return False
-        now = time.monotonic()
-        if st.save_wait_until is None:
-            st.save_wait_until = now + SAVE_WAIT_MAX_S
-        return now < st.save_wait_until
-
     def saves_settled(self, keys: list[str]) -> None:
         """Workers settled these saves (one entry per rank). A shared tier's view asks
         about them again (this engine may just have published them)."""
         for view in self.views:
             view.recheck_shared(keys)
-        for key in keys:
-            pending = self._saving.get(key)
-            if pending is not None:
-                pending[0] -= 1
-                if pending[0] <= 0:
-                    del self._saving[key]
+        self.saves.settled(keys)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self.requests.get(request.request_id)
@@ -289,7 +306,8 @@ class SchedulerSide:
             c = by_key[chunk.key]
             # the last token is computed, not loaded (hit_end <= n_tokens - 1)
             chunk.block_ids = self.layout.kinds[chunk.kind].load_blocks(
-                c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size)
+                c.start, c.end, chunk.skip_blocks, load.hit_end, block_ids, self.block_size
+            )
         self._loads.append(load)
         st.issued.extend(load.chunks)
         self.planner.issued(request.request_id)
@@ -299,42 +317,19 @@ class SchedulerSide:
         return dict(self.requests[req_id].planned) if req_id in self.requests else {}
 
     def build_connector_meta(self, out: "SchedulerOutput") -> TieredKVMetadata:
-        meta = TieredKVMetadata(loads=self._loads, upcoming=list(self._upcoming), reused=list(self._reused),
-                                publish=self.pinner.take_publish() if self.pinner else [])
+        meta = TieredKVMetadata(
+            loads=self._loads,
+            upcoming=list(self._upcoming),
+            reused=list(self._reused),
+            publish=self.pinner.take_publish() if self.pinner else [],
+        )
         self._loads, self._upcoming, self._reused = [], {}, {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}
         self.planner.ran(self._running)  # (the wait of asynchronous loads, measured)
         meta.compute = self.planner.step_compute([(c, out.num_scheduled_tokens.get(r, 0)) for r, c in scheduled])
-        now = time.monotonic()
-        while self._saving and next(iter(self._saving.values()))[1] <= now:  # a report lost
-            del self._saving[next(iter(self._saving))]
-        for req_id, computed in scheduled:
-            st = self.requests.get(req_id)
-            if st is None or not st.chunks or not request_wants(st.request, SAVE):
-                continue
-            done = computed + out.num_scheduled_tokens.get(req_id, 0)
-            block_ids, null = None, 0  # (both fetched at the first save)
-            while st.next_save < len(st.chunks) and st.chunks[st.next_save].end <= done:
-                i = st.next_save
-                c = st.chunks[i]
-                st.next_save += 1
-                for k, kind in enumerate(self.layout.kinds):
-                    if not kind.full and i not in st.window_saves.get(k, ()):
-                        continue  # no checkpoint needs this chunk's window
-                    key, parent = entry(st.chunks, k, i)
-                    if key in self._saving or all(v.lookup([key], local_only=v.has_local) for v in self.views):
-                        continue  # being saved, or stored (by us, another engine, an earlier turn)
-                    if block_ids is None:
-                        block_ids = self._kv_manager().get_block_ids(req_id)  # one list per group
-                        null = null_block(self._kv_manager())
-                    ids = kind.save_blocks(c.start, c.end, block_ids, null, self.block_size)
-                    if ids is None:
-                        continue  # vLLM freed part of the window (never expected): a future miss
-                    meta.saves.append(ChunkIO(key, parent, ids, kind=k,
-                                              shared=bool(self.pinner and self.pinner.shares(key))))
-                    self._saving[key] = [len(self.views), now + SAVE_REPORT_LOST_S]
+        meta.saves = self.saves.step(scheduled, out.num_scheduled_tokens, self.requests)
         return meta
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
@@ -369,8 +364,12 @@ class SchedulerSide:
         """Since the last report: prompt tokens computed by cause (``cache.explain``), requests
         by the cost model's path (``cache.vllm.planner``), miss-ratio curves (``cache.curves``),
         pin requests by outcome (``cache.vllm.pinning``). The workers report the tiers'."""
-        counts = {**self.explain.take_counts(), **self.planner.stats(), **self.curves.stats(),
-                  **(self.pinner.stats() if self.pinner else {})}
+        counts = {
+            **self.explain.take_counts(),
+            **self.planner.stats(),
+            **self.curves.stats(),
+            **(self.pinner.stats() if self.pinner else {}),
+        }
         return TieredKVStats(data=counts) if counts else None
 
     def explain_finished(self, request: "Request") -> list[dict]:

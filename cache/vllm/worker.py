@@ -62,8 +62,14 @@ LEVELS_MAX_AGE_S = 1.0
 
 
 class WorkerSide:
-    def __init__(self, config: CacheConfig, namespace: Namespace, num_blocks: int,
-                 block_size: int, layout: Optional[GroupLayout] = None) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        namespace: Namespace,
+        num_blocks: int,
+        block_size: int,
+        layout: Optional[GroupLayout] = None,
+    ) -> None:
         self.config = config
         self.layout = layout or GroupLayout.single(block_size)
         self.namespace = namespace
@@ -98,8 +104,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Views checked (``ValueError``: ``kv_layout``), staging allocated, threads on this device."""
         chunk_blocks = self.config.chunk_tokens // self.block_size
-        self.copiers, self.staging = copiers_for(kv_caches, self.layout, self.num_blocks, chunk_blocks,
-                                                 self.config.staging_bytes, self.store.describe())
+        self.copiers, self.staging = copiers_for(
+            kv_caches, self.layout, self.num_blocks, chunk_blocks, self.config.staging_bytes, self.store.describe()
+        )
         if self.copiers[0].cuda:  # threads started from now on select it first
             self._thread_setup.select_device = self.copiers[0].streams.select
         self.costs = LoadCosts(step_clock(self.copiers[0].device))
@@ -107,16 +114,21 @@ class WorkerSide:
         chunk = max(c.layout.bytes_per_block() for c in self.copiers) * chunk_blocks  # the largest entry
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
-                log.warning("kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
-                            "(%s bytes): chunks go to the next tier down", tier.name, f"{tier.capacity:,}",
-                            tier.location, f"{chunk:,}")
+                log.warning(
+                    "kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
+                    "(%s bytes): chunks go to the next tier down",
+                    tier.name,
+                    f"{tier.capacity:,}",
+                    tier.location,
+                    f"{chunk:,}",
+                )
 
     def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
         """Benchmarks: ``timer(step, seconds, **details)`` for each tier read (``"read"``) and
         entry check (``"decode"``, on the thread that ran them), copy into the KV cache
         (``"scatter"``) and load request (``"load"``: ``req``, ``asynchronous``, ``chunks``, ``failed``)."""
         self.loader.timer = timer
-        self.store.timer = timer
+        self.store.set_timer(timer)
 
     # -- loads -----------------------------------------------------------------
     def fence(self) -> None:
@@ -142,8 +154,9 @@ class WorkerSide:
             if load.asynchronous:
                 if mark is None and self.copiers:
                     mark = self.copiers[0].compute_mark()  # after the compute stream's work so far
-                t = threading.Thread(target=self._load_async, args=(load, mark), daemon=True,
-                                     name=f"kvcache-load-{load.req_id}")
+                t = threading.Thread(
+                    target=self._load_async, args=(load, mark), daemon=True, name=f"kvcache-load-{load.req_id}"
+                )
                 self._inflight[load.req_id] = t
                 t.start()
             elif self.layered.wants(load):
@@ -242,8 +255,9 @@ class WorkerSide:
         writers.close()
         return failed_from(load, failed_at), cut
 
-    def _read_here(self, load: LoadRequest, writers: BlockWriters, futures: list[Future[ChunkResult]],
-                   deadline: Deadline) -> dict[int, ChunkResult]:
+    def _read_here(
+        self, load: LoadRequest, writers: BlockWriters, futures: list[Future[ChunkResult]], deadline: Deadline
+    ) -> dict[int, ChunkResult]:
         """A synchronous placed load: the forward pass waits for this thread, so it reads
         every chunk no read thread has started (the read threads share the cores this
         one's compute leaves), until the deadline (past it by one chunk's read at most)
@@ -288,8 +302,9 @@ class WorkerSide:
         first call reads it here, at start-up)."""
         with self._lock:
             levels = self._levels
-            stale = (levels is None or time.monotonic() - self._levels_at > LEVELS_MAX_AGE_S) \
-                and not self._levels_reading
+            stale = (
+                levels is None or time.monotonic() - self._levels_at > LEVELS_MAX_AGE_S
+            ) and not self._levels_reading
             if stale and levels is not None:
                 self._levels_reading = True
         if levels is None:
@@ -340,9 +355,17 @@ class WorkerSide:
                 self._on_event(chunk.key, "not_admitted", "all")
                 self._on_settled(chunk.key)
                 continue
-            self.store.put(chunk.key, chunk.parent, copier.layout.dtype_name, tuple(got.host.shape),
-                           got.host.view(torch.uint8).reshape(-1).numpy(), shared=chunk.shared,
-                           on_done=got.then(self._on_settled), ready=got.wait, borrowed=True)
+            self.store.put(
+                chunk.key,
+                chunk.parent,
+                copier.layout.dtype_name,
+                tuple(got.host.shape),
+                got.host.view(torch.uint8).reshape(-1).numpy(),
+                shared=chunk.shared,
+                on_done=got.then(self._on_settled),
+                ready=got.wait,
+                borrowed=True,
+            )
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
