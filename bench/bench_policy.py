@@ -82,7 +82,7 @@ def reuse_regularity(requests, min_uses: int = 6) -> dict:
         gaps = [b - a for a, b in zip(seq, seq[1:])]
         mean = sum(gaps) / len(gaps)
         var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
-        cvs.append(var ** 0.5 / mean)
+        cvs.append(var**0.5 / mean)
         logs = [math.log(g) for g in gaps]
         m = sum(logs) / len(logs)
         d = [x - m for x in logs]
@@ -100,37 +100,44 @@ def reuse_regularity(requests, min_uses: int = 6) -> dict:
 
 def gap_closed(ratio: Dict[str, List[float]], name: str) -> List[float]:
     """Share of the LRU-to-Belady distance that ``name`` covers, per capacity."""
-    return [(o - lru) / (b - lru) if b > lru else 0.0
-            for o, lru, b in zip(ratio[name], ratio["lru"], ratio["belady"])]
+    return [(o - lru) / (b - lru) if b > lru else 0.0 for o, lru, b in zip(ratio[name], ratio["lru"], ratio["belady"])]
 
 
 def readme_section(payload: dict) -> str:
     """bench/README.md's statement of the policy result: hit ratios, the best baseline and the
     share of the LRU-to-Belady gap closed, per capacity."""
     ratio, ours = payload["token_hit_ratio"], payload["ours"]
-    lines = [f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
-             "[bench/results/policy.md](results/policy.md)):", "",
-             "| capacity | LRU | best of LRU, ARC, S3-FIFO | "
-             f"`{ours}` | Belady (offline) | LRU→Belady gap closed | "
-             "closed by rate-oracle / span-oracle (offline) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Token hit ratio on `{payload['trace']}` ({payload['requests']:,} requests; "
+        "[bench/results/policy.md](results/policy.md)):",
+        "",
+        "| capacity | LRU | best of LRU, ARC, S3-FIFO | "
+        f"`{ours}` | Belady (offline) | LRU→Belady gap closed | "
+        "closed by rate-oracle / span-oracle (offline) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     og = payload["oracle_gap_closed"]
     for i, (f, cap) in enumerate(zip(payload["fractions"], payload["capacity_blocks"])):
         best = max(ratio[p][i] for p in ("lru", "arc", "s3fifo"))
-        lines.append(f"| {f:.0%} ({cap:,} blocks) | {ratio['lru'][i]:.4f} | {best:.4f} | "
-                     f"{ratio[ours][i]:.4f} | {ratio['belady'][i]:.4f} | "
-                     f"{payload['gap_closed'][i]:.1%} | "
-                     f"{og['rate-oracle'][i]:.0%} / {og['span-oracle'][i]:.0%} |")
+        lines.append(
+            f"| {f:.0%} ({cap:,} blocks) | {ratio['lru'][i]:.4f} | {best:.4f} | "
+            f"{ratio[ours][i]:.4f} | {ratio['belady'][i]:.4f} | "
+            f"{payload['gap_closed'][i]:.1%} | "
+            f"{og['rate-oracle'][i]:.0%} / {og['span-oracle'][i]:.0%} |"
+        )
     reg = payload["reuse_regularity"]
-    lines += ["", "The rate oracles know how often each block is used, never when "
-              "(whole-trace reuses per request; `span-oracle` also knows each block's first "
-              "and last use): they show what knowing each block's popularity is worth, the "
-              "most that frequency learned from access history could win. The rest of "
-              "Belady's lead is timing, and in this trace timing is nearly memoryless: "
-              "a block's reuse "
-              f"gaps have a median coefficient of variation of {reg['median_gap_cv']:.2f} "
-              "and consecutive gaps correlate at "
-              f"{reg['lag1_log_gap_corr']:+.2f} (Poisson arrivals: 1 and 0)."]
+    lines += [
+        "",
+        "The rate oracles know how often each block is used, never when "
+        "(whole-trace reuses per request; `span-oracle` also knows each block's first "
+        "and last use): they show what knowing each block's popularity is worth, the "
+        "most that frequency learned from access history could win. The rest of "
+        "Belady's lead is timing, and in this trace timing is nearly memoryless: "
+        "a block's reuse "
+        f"gaps have a median coefficient of variation of {reg['median_gap_cv']:.2f} "
+        "and consecutive gaps correlate at "
+        f"{reg['lag1_log_gap_corr']:+.2f} (Poisson arrivals: 1 and 0).",
+    ]
     if payload.get("robustness"):
         # saved before the summary moved to bench/README.md, its links were from the top
         lines += ["", payload["robustness"].replace("](bench/results/", "](results/")]
@@ -150,27 +157,41 @@ def robustness(trace, trace_name: str, out: Path, scale: float, seed: int) -> st
     traces["mooncake"] = trace
     cells = policy_grid.grid_rows(traces, FRACTIONS, policies, progress=True)
     sizes = ", ".join(f"{name} {len(reqs):,}" for name, reqs in traces.items())
-    note = (f"Workloads from `cache.tools.workloads` at scale {scale:g}, seed {seed} "
-            f"(requests: {sizes}; `mooncake` is `{trace_name}`). Capacity = share of the "
-            "workload's distinct 512-token blocks; token hit ratio as in "
-            "[policy.md](policy.md); belady is the offline optimum. Regenerate with "
-            f"`python bench/bench_policy.py --grid-only --scale {scale:g}`.")
+    note = (
+        f"Workloads from `cache.tools.workloads` at scale {scale:g}, seed {seed} "
+        f"(requests: {sizes}; `mooncake` is `{trace_name}`). Capacity = share of the "
+        "workload's distinct 512-token blocks; token hit ratio as in "
+        "[policy.md](policy.md); belady is the offline optimum. Regenerate with "
+        f"`python bench/bench_policy.py --grid-only --scale {scale:g}`."
+    )
     table = policy_grid.markdown(cells, policies, "Policy robustness: workload x capacity", note)
     out.mkdir(parents=True, exist_ok=True)
     (out / "policy_robustness.md").write_text(table)
     worst = min(cells, key=lambda c: c.margin())
-    (out / "policy_robustness.json").write_text(json.dumps({
-        "scale": scale, "seed": seed, "cells": [c.as_dict() for c in cells],
-        "worst_margin": worst.margin(), "worst_cell": [worst.workload, worst.fraction],
-        "generated_unix": int(time.time())}, indent=2) + "\n")
+    (out / "policy_robustness.json").write_text(
+        json.dumps(
+            {
+                "scale": scale,
+                "seed": seed,
+                "cells": [c.as_dict() for c in cells],
+                "worst_margin": worst.margin(),
+                "worst_cell": [worst.workload, worst.fraction],
+                "generated_unix": int(time.time()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     policy_grid.plot(cells, out / "policy_robustness.png", policies)
     print(table)
-    return (f"Robustness ([bench/results/policy_robustness.md](results/policy_robustness.md), "
-            f"[plot](results/policy_robustness.png)): over {len(traces)} workloads "
-            f"(chat, agent chat, RAG, shared system prompt, scans into a hot set, a popularity "
-            f"shift, and the Mooncake trace) x {len(FRACTIONS)} capacities, `{DEFAULT_POLICY}`'s "
-            f"worst margin over the best of LRU, ARC and S3-FIFO is **{worst.margin():+.4f}** "
-            f"({worst.workload} at {worst.fraction:.0%}).")
+    return (
+        f"Robustness ([bench/results/policy_robustness.md](results/policy_robustness.md), "
+        f"[plot](results/policy_robustness.png)): over {len(traces)} workloads "
+        f"(chat, agent chat, RAG, shared system prompt, scans into a hot set, a popularity "
+        f"shift, and the Mooncake trace) x {len(FRACTIONS)} capacities, `{DEFAULT_POLICY}`'s "
+        f"worst margin over the best of LRU, ARC and S3-FIFO is **{worst.margin():+.4f}** "
+        f"({worst.workload} at {worst.fraction:.0%})."
+    )
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -179,12 +200,14 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--hint-window-ms", type=float, default=1000.0)
     ap.add_argument("--memory-chunks", type=int, default=50_000)
-    ap.add_argument("--scale", type=float, default=0.6,
-                    help="workload size for the robustness grid (1 = about 10,000 requests)")
+    ap.add_argument(
+        "--scale", type=float, default=0.6, help="workload size for the robustness grid (1 = about 10,000 requests)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid-only", action="store_true", help="only the robustness grid")
-    ap.add_argument("--render", action="store_true",
-                    help="only rewrite bench/README.md's policy section from the saved policy.json")
+    ap.add_argument(
+        "--render", action="store_true", help="only rewrite bench/README.md's policy section from the saved policy.json"
+    )
     args = ap.parse_args(argv)
     if args.render:
         payload = json.loads((Path(args.out_dir) / "policy.json").read_text())
@@ -265,8 +288,7 @@ def main(argv: List[str] | None = None) -> int:
         "seen, so they show what frequency learned from history could win at most; the "
         "rest of Belady's lead is knowing when the next use comes.",
         "",
-        f"| capacity | **{ours}** gap closed | rate-oracle | gap closed | "
-        "span-oracle | gap closed |",
+        f"| capacity | **{ours}** gap closed | rate-oracle | gap closed | span-oracle | gap closed |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for i, f in enumerate(FRACTIONS):
@@ -343,8 +365,15 @@ def main(argv: List[str] | None = None) -> int:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [100 * f for f in FRACTIONS]
-    styles = {"lru": "o-", "arc": "s-", "s3fifo": "^-", ours: "D-", "belady": "k--",
-              "rate-oracle": "k:", "span-oracle": "k-."}
+    styles = {
+        "lru": "o-",
+        "arc": "s-",
+        "s3fifo": "^-",
+        ours: "D-",
+        "belady": "k--",
+        "rate-oracle": "k:",
+        "span-oracle": "k-.",
+    }
     for p in policies:
         ax.plot(xs, ratio[p], styles[p], label=p, linewidth=2.2 if p == ours else 1.2)
     ax.plot(xs, ratio[ours + "+hints"], "D:", label=f"{ours} + queue hints", alpha=0.7)

@@ -67,14 +67,14 @@ from bench.ttft_engine import EngineProcess  # noqa: E402
 # per token.
 MODEL_SHAPE = dict(layers=6, hidden=384, heads=6, kv_heads=6, intermediate=1024, max_positions=16384)
 DTYPE = "float32"
-BLOCK = 128        # vLLM's block size on the CPU
+BLOCK = 128  # vLLM's block size on the CPU
 LMCACHE_CHUNK = 256
-SETTLE_S = 0.3     # idle time before each timed request (write-behind of the last one lands)
+SETTLE_S = 0.3  # idle time before each timed request (write-behind of the last one lands)
 
 TARGETS = {
-    "dram_vs_l0": 1.3,          # ours-dram <= 1.3 x l0
-    "disk_vs_floor": 1.3,       # ours-disk <= 1.3 x disk floor
-    "throughput": 0.97,         # no-reuse throughput with connector >= 0.97 x without
+    "dram_vs_l0": 1.3,  # ours-dram <= 1.3 x l0
+    "disk_vs_floor": 1.3,  # ours-disk <= 1.3 x disk floor
+    "throughput": 0.97,  # no-reuse throughput with connector >= 0.97 x without
 }
 
 
@@ -96,7 +96,7 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.sizes = args.sizes
-        self.repeats = args.repeats          # samples that each need a cold prefill
+        self.repeats = args.repeats  # samples that each need a cold prefill
         self.hit_repeats = args.hit_repeats  # samples of a hit (cheap)
         self.salt = args.salt
         self.work = args.workdir
@@ -138,12 +138,24 @@ class Bench:
     def row(self, scenario: str, size: int) -> Row:
         return self.rows.setdefault((scenario, size), Row(scenario, size))
 
-    def engine(self, name: str, kv_transfer: Optional[dict], wait: bool = True,
-               log_stats: bool = False, kv_events: Optional[dict] = None) -> EngineProcess:
+    def engine(
+        self,
+        name: str,
+        kv_transfer: Optional[dict],
+        wait: bool = True,
+        log_stats: bool = False,
+        kv_events: Optional[dict] = None,
+    ) -> EngineProcess:
         """``log_stats``: vLLM's stat loggers on, so the engine answers ``op="metrics"``;
         ``kv_events``: vLLM's ``KVEventsConfig`` fields (its KV events published)."""
-        spec = {"model": self.args.model_path, "dtype": DTYPE, "max_model_len": self.max_model_len,
-                "kv_transfer": kv_transfer, "log_stats": log_stats, "kv_events": kv_events}
+        spec = {
+            "model": self.args.model_path,
+            "dtype": DTYPE,
+            "max_model_len": self.max_model_len,
+            "kv_transfer": kv_transfer,
+            "log_stats": log_stats,
+            "kv_events": kv_events,
+        }
         log(f"[{name}] starting engine")
         e = EngineProcess(spec, os.path.join(self.logs, f"{name}.log"), env=self.engine_env, wait=wait)
         if not wait:
@@ -163,8 +175,17 @@ class Bench:
         row = self.row(scenario, size)
         row.samples_s.append(r["seconds"])
         row.hit_tokens.append(hit)
-        row.detail.append({k: v for k, v in {**detail, "kv_transfer_params": r.get("kv_transfer_params"),
-                                             "loadavg_1m": round(os.getloadavg()[0], 2)}.items() if v is not None})
+        row.detail.append(
+            {
+                k: v
+                for k, v in {
+                    **detail,
+                    "kv_transfer_params": r.get("kv_transfer_params"),
+                    "loadavg_1m": round(os.getloadavg()[0], 2),
+                }.items()
+                if v is not None
+            }
+        )
         log(f"  {scenario:13s} {size:6d}  {r['seconds'] * 1e3:9.1f} ms  hit {hit}")
 
     @staticmethod
@@ -172,8 +193,10 @@ class Bench:
         """Tokens our connector loaded from ``tier``; fails loudly if it served anything else."""
         got = (r.get("kv_transfer_params") or {}).get("kvcache_loaded_tokens") or {}
         if got != {tier: want}:
-            raise AssertionError(f"expected a {tier} hit of {want} tokens, got kv_transfer_params="
-                                 f"{r.get('kv_transfer_params')} (num_cached_tokens={r['num_cached_tokens']})")
+            raise AssertionError(
+                f"expected a {tier} hit of {want} tokens, got kv_transfer_params="
+                f"{r.get('kv_transfer_params')} (num_cached_tokens={r['num_cached_tokens']})"
+            )
         return want
 
     @staticmethod
@@ -194,8 +217,10 @@ class Bench:
             time.sleep(0.5)
         self.checks.append({"scenario": scenario, "size": size, "attempts": attempt + 1, **check})
         if check["resident_after"] > 0.01 * max(check["bytes"], 1):
-            raise AssertionError(f"{scenario}: {check['resident_after']:,} of {check['bytes']:,} bytes "
-                                 f"still in the page cache after dropping {folder}")
+            raise AssertionError(
+                f"{scenario}: {check['resident_after']:,} of {check['bytes']:,} bytes "
+                f"still in the page cache after dropping {folder}"
+            )
         return {"resident_after_drop": check["resident_after"]}
 
     @staticmethod
@@ -239,8 +264,9 @@ class Bench:
     # -- scenarios -------------------------------------------------------------
     def run_ours_dram(self) -> None:
         """cold, l0 and ours-dram in one engine: DRAM tier only, prefix caching on."""
-        kv = peers.ours(os.path.join(self.shm, "ours-dram"), self.args.dram_size,
-                        os.path.join(self.work, "ours-dram-nodisk"), "0")
+        kv = peers.ours(
+            os.path.join(self.shm, "ours-dram"), self.args.dram_size, os.path.join(self.work, "ours-dram-nodisk"), "0"
+        )
         with self.engine("ours-dram", kv) as e:
             for size in self.sizes:  # warm-up: each path once per size
                 w = self.prompt("ours-dram-warm", size)
@@ -278,8 +304,9 @@ class Bench:
                 p = self.prompt("ours-disk", size)
                 self.ttft(e, p, reset=False)  # populate the disk tier (and warm up this size)
                 self.wait_stable(disk)
-                self.tier_hits(e, "disk", "ours-disk", p, size,
-                               before=lambda size=size: self.drop(disk, "ours-disk", size))
+                self.tier_hits(
+                    e, "disk", "ours-disk", p, size, before=lambda size=size: self.drop(disk, "ours-disk", size)
+                )
 
     def run_ours_l3(self) -> None:
         """ours-l3, each sample followed by the same prompt from vLLM's prefix cache
@@ -287,9 +314,15 @@ class Bench:
         (admission "all") and every hit reads it back through the bandwidth cap."""
         root = os.path.join(self.work, "ours-l3")
         local = os.path.join(self.work, "ours-l3-unused")
-        kv = peers.ours(os.path.join(self.shm, "ours-l3-unused"), "0", local, "0",
-                        shared_url=f"file://{root}", shared_bandwidth=str(int(self.args.l3_bandwidth)),
-                        shared_admission="all")
+        kv = peers.ours(
+            os.path.join(self.shm, "ours-l3-unused"),
+            "0",
+            local,
+            "0",
+            shared_url=f"file://{root}",
+            shared_bandwidth=str(int(self.args.l3_bandwidth)),
+            shared_admission="all",
+        )
         with self.engine("ours-l3", kv) as e:
             for size in self.sizes:
                 p = self.prompt("ours-l3", size)
@@ -297,8 +330,15 @@ class Bench:
                 self.wait_stable(root, quiet_s=2.0)
                 self.tier_hits(e, "l3", "ours-l3", p, size)
 
-    def tier_hits(self, e: EngineProcess, kind: str, row: str, p: list[int], size: int,
-                  before: Optional[Callable[[], dict]] = None) -> None:
+    def tier_hits(
+        self,
+        e: EngineProcess,
+        kind: str,
+        row: str,
+        p: list[int],
+        size: int,
+        before: Optional[Callable[[], dict]] = None,
+    ) -> None:
         """Samples of ``row``, hits of ``p`` from our ``kind`` tier (prefix cache reset),
         each followed by ``p`` again from vLLM's prefix cache (the engine's l0) and by the
         one-token l0. ``before()`` runs before each hit and returns details to record with
@@ -331,8 +371,7 @@ class Bench:
         l2 = os.path.join(self.work, "lmcache-l2")
         want = lambda size: self.loadable(size, LMCACHE_CHUNK)  # noqa: E731
         warm = self.prompt("lmcache-warm", min(self.sizes))
-        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-1.log"),
-                                     self.args.lmcache_l1_gb, l2)
+        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-1.log"), self.args.lmcache_l1_gb, l2)
         try:
             with self.engine("lmcache-dram", peers.lmcache(server.port)) as e:
                 self.ttft(e, warm, reset=False)
@@ -354,8 +393,7 @@ class Bench:
             log(f"[lmcache] L2 holds {l2_bytes:,} bytes in {len(pagecache.files_under(l2))} files")
         finally:
             server.stop()
-        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-2.log"),
-                                     self.args.lmcache_l1_gb, l2)
+        server = peers.LMCacheServer(os.path.join(self.logs, "lmcache-server-2.log"), self.args.lmcache_l1_gb, l2)
         try:
             with self.engine("lmcache-disk", peers.lmcache(server.port)) as e:
                 # Warm-up: a cold request, then one disk hit. (Every LMCache hit here
@@ -368,8 +406,13 @@ class Bench:
                     for i in range(self.repeats):  # each prompt once: a hit promotes it to L1
                         self.drop(l2, "lmcache-disk", size)
                         r = self.ttft(e, self.prompt("lmcache", size, i), reset=True)
-                        self.record("lmcache-disk", size, r, self.peer_hit(r, want(size), "lmcache-disk"),
-                                    resident_after_drop=self.checks[-1]["resident_after"])
+                        self.record(
+                            "lmcache-disk",
+                            size,
+                            r,
+                            self.peer_hit(r, want(size), "lmcache-disk"),
+                            resident_after_drop=self.checks[-1]["resident_after"],
+                        )
         finally:
             server.stop()
 
@@ -408,22 +451,31 @@ class Bench:
             for name in names:  # all start at once (nothing is timed yet)
                 kv = events = None
                 if name.startswith("with-"):
-                    kv = peers.ours(os.path.join(self.shm, f"tput-{name}"), a.tput_dram_size,
-                                    os.path.join(self.work, "tput-disk", name), a.disk_size)
+                    kv = peers.ours(
+                        os.path.join(self.shm, f"tput-{name}"),
+                        a.tput_dram_size,
+                        os.path.join(self.work, "tput-disk", name),
+                        a.disk_size,
+                    )
                     if a.tput_kv_events:  # published to a local port nobody reads: the cost is ours
-                        events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                  "endpoint": f"tcp://*:{peers.free_port()}"}
+                        events = {
+                            "enable_kv_cache_events": True,
+                            "publisher": "zmq",
+                            "endpoint": f"tcp://*:{peers.free_port()}",
+                        }
                 engines[name] = self.engine(f"tput-{name}", kv, wait=False, kv_events=events)
             for name, e in engines.items():
                 e.wait_ready()
                 self.timings[f"start:tput-{name}"] = e.start_seconds
-            batch = lambda tag, r: [self.prompt(f"tput-{tag}-{r}", a.tput_len, i)  # noqa: E731
-                                    for i in range(a.tput_prompts)]
+
+            def batch(tag, r):
+                return [self.prompt(f"tput-{tag}-{r}", a.tput_len, i) for i in range(a.tput_prompts)]
+
             for name, e in engines.items():  # warm-up: one whole batch each, untimed
                 e.call(op="batch", prompts=batch(f"warm-{name}", 0), max_tokens=a.tput_max_tokens)
             self.tput = {name: [] for name in names}
             for rnd in range(a.tput_rounds):
-                for name in (names if rnd % 2 == 0 else names[::-1]):
+                for name in names if rnd % 2 == 0 else names[::-1]:
                     time.sleep(2.0)  # the other engines' write-behind is done
                     r = engines[name].call(op="batch", prompts=batch(name, rnd + 1), max_tokens=a.tput_max_tokens)
                     tps = (r["prompt_tokens"] + r["output_tokens"]) / r["seconds"]
@@ -444,8 +496,10 @@ class Bench:
                 "disk": pagecache.disk_bandwidth(nbytes, os.path.join(self.work, "bandwidth")),
             }
             b = self.bandwidth[size]
-            log(f"  {size:6d} tokens: KV {nbytes / 2**20:7.1f} MiB  memcpy {b['dram']['best'] / 1e9:5.2f} GB/s"
-                f"  cold read {b['disk']['bytes_per_s'] / 1e9:5.2f} GB/s")
+            log(
+                f"  {size:6d} tokens: KV {nbytes / 2**20:7.1f} MiB  memcpy {b['dram']['best'] / 1e9:5.2f} GB/s"
+                f"  cold read {b['disk']['bytes_per_s'] / 1e9:5.2f} GB/s"
+            )
 
     # -- report ------------------------------------------------------------------
     # Suffix of the rows measured in a tier's own engine ("l0 (disk engine)" ...).
@@ -465,26 +519,55 @@ class Bench:
         tier's bandwidth. The base is the issue's l0 (vLLM's own hit, which computes the
         last partial block) or, with ``one_token``, the one-token hit ("l0 1-token ...":
         the compute no hit can avoid)."""
-        l0 = (self.rows.get(("l0 1-token" + self.ENGINE_OF[kind], size)) if one_token
-              else self.l0_for(kind, size))
+        l0 = self.rows.get(("l0 1-token" + self.ENGINE_OF[kind], size)) if one_token else self.l0_for(kind, size)
         if l0 is None or l0.median_ms is None:
             return None
         b = self.bandwidth[size]
         bw = {"dram": b["dram"]["best"], "disk": b["disk"]["bytes_per_s"], "l3": self.args.l3_bandwidth}[kind]
         return l0.median_ms + b["kv_bytes"] / bw * 1e3
 
-    ROWS_OF = {"ours-dram": ["cold", "l0", "ours-dram"], "ours-disk": ["ours-disk", "l0 (disk engine)"],
-               "ours-l3": ["ours-l3", "l0 (l3 engine)"],
-               "lmcache": ["lmcache-dram", "lmcache-disk"],
-               "example": ["example-warm", "example-disk", "l0 (example engine)"]}
+    ROWS_OF = {
+        "ours-dram": ["cold", "l0", "ours-dram"],
+        "ours-disk": ["ours-disk", "l0 (disk engine)"],
+        "ours-l3": ["ours-l3", "l0 (l3 engine)"],
+        "lmcache": ["lmcache-dram", "lmcache-disk"],
+        "example": ["example-warm", "example-disk", "l0 (example engine)"],
+    }
     # The l0 measured alternately with each hit row, in the same engine.
-    PAIRED_L0 = {"ours-dram": "l0", "ours-disk": "l0 (disk engine)", "ours-l3": "l0 (l3 engine)",
-                 "example-warm": "l0 (example engine)", "example-disk": "l0 (example engine)"}
-    FLOOR_KIND = {"ours-dram": "dram", "lmcache-dram": "dram", "example-warm": "dram",
-                  "ours-disk": "disk", "lmcache-disk": "disk", "example-disk": "disk", "ours-l3": "l3"}
-    ORDER = ["cold", "l0", "l0 1-token", "ours-dram", "lmcache-dram", "l0 (example engine)", "example-warm",
-             "l0 (disk engine)", "l0 1-token (disk engine)", "ours-disk", "lmcache-disk", "example-disk",
-             "l0 (l3 engine)", "l0 1-token (l3 engine)", "ours-l3", "lmcache-cold"]
+    PAIRED_L0 = {
+        "ours-dram": "l0",
+        "ours-disk": "l0 (disk engine)",
+        "ours-l3": "l0 (l3 engine)",
+        "example-warm": "l0 (example engine)",
+        "example-disk": "l0 (example engine)",
+    }
+    FLOOR_KIND = {
+        "ours-dram": "dram",
+        "lmcache-dram": "dram",
+        "example-warm": "dram",
+        "ours-disk": "disk",
+        "lmcache-disk": "disk",
+        "example-disk": "disk",
+        "ours-l3": "l3",
+    }
+    ORDER = [
+        "cold",
+        "l0",
+        "l0 1-token",
+        "ours-dram",
+        "lmcache-dram",
+        "l0 (example engine)",
+        "example-warm",
+        "l0 (disk engine)",
+        "l0 1-token (disk engine)",
+        "ours-disk",
+        "lmcache-disk",
+        "example-disk",
+        "l0 (l3 engine)",
+        "l0 1-token (l3 engine)",
+        "ours-l3",
+        "lmcache-cold",
+    ]
 
     def ratio(self, a: str, b: str, size: int) -> Optional[float]:
         ra, rb = self.rows.get((a, size)), self.rows.get((b, size))
@@ -504,16 +587,24 @@ class Bench:
                 floor1 = self.floor_ms(kind, size, one_token=True) if kind else None
                 med = row.median_ms
                 l0 = self.l0_for(kind, size)
-                table.append({
-                    "scenario": name, "size": size, "median_ms": med,
-                    "samples_ms": [s * 1e3 for s in row.samples_s], "hit_tokens": row.hit_tokens,
-                    "floor_kind": kind, "floor_ms": floor,
-                    "vs_floor": med / floor if med and floor else None,
-                    "floor1_ms": floor1, "vs_floor1": med / floor1 if med and floor1 else None,
-                    "vs_l0": med / l0.median_ms if med and l0 and l0.median_ms else None,
-                    "over_paired_l0_ms": self.over_paired(name, size),
-                    "error": row.error, "detail": row.detail,
-                })
+                table.append(
+                    {
+                        "scenario": name,
+                        "size": size,
+                        "median_ms": med,
+                        "samples_ms": [s * 1e3 for s in row.samples_s],
+                        "hit_tokens": row.hit_tokens,
+                        "floor_kind": kind,
+                        "floor_ms": floor,
+                        "vs_floor": med / floor if med and floor else None,
+                        "floor1_ms": floor1,
+                        "vs_floor1": med / floor1 if med and floor1 else None,
+                        "vs_l0": med / l0.median_ms if med and l0 and l0.median_ms else None,
+                        "over_paired_l0_ms": self.over_paired(name, size),
+                        "error": row.error,
+                        "detail": row.detail,
+                    }
+                )
         targets = []
         for size in self.sizes:
             checks = [
@@ -577,11 +668,13 @@ def markdown(result: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     if result.get("restored_rows"):
-        lines[4:4] = [f"The last run measured some scenarios only; these rows are kept from the saved run "
-                      f"(floors recomputed with this run's bandwidths): {', '.join(result['restored_rows'])}. "
-                      "The measured column says when each row was measured; a ratio between rows of two runs "
-                      "also compares two states of this shared machine (compare the cold and l0 rows of each).",
-                      ""]
+        lines[4:4] = [
+            f"The last run measured some scenarios only; these rows are kept from the saved run "
+            f"(floors recomputed with this run's bandwidths): {', '.join(result['restored_rows'])}. "
+            "The measured column says when each row was measured; a ratio between rows of two runs "
+            "also compares two states of this shared machine (compare the cold and l0 rows of each).",
+            "",
+        ]
     for r in s["table"]:
         if r["error"] and r["median_ms"] is None:
             lines.append(f"| {r['scenario']} | {r['size']} | FAILED: {r['error'][:80]} | | | | | | |")
@@ -594,56 +687,91 @@ def markdown(result: dict) -> str:
             f"{fmt(r['floor_ms'])}{' (' + r['floor_kind'] + ')' if r['floor_kind'] else ''} | "
             f"{fmt(r['vs_floor'], '.2f')} | {fmt(r.get('floor1_ms'))} | {fmt(r.get('vs_floor1'), '.2f')} | "
             f"{fmt(r['vs_l0'], '.2f')} | {fmt(r.get('over_paired_l0_ms'))} | "
-            f"{r.get('measured') or ttft_saved.EARLIER} |")
+            f"{r.get('measured') or ttft_saved.EARLIER} |"
+        )
     l3_bw = cfg.get("l3_bandwidth")
-    lines += ["", "Floors: `l0 + KV bytes / bandwidth` (the issue's floor) and `l0 1-token + KV bytes / bandwidth` "
-              "(the compute no hit avoids); KV bytes: all but the last token's; bandwidths measured on this machine"
-              + (f" (L3: the tier's cap, {l3_bw / 1e9:.1f} GB/s, over a local folder)" if l3_bw else "") + ":", "",
-              "| prompt tokens | KV MiB (our hit) | memcpy GB/s | cold disk read GB/s |",
-              "| ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "Floors: `l0 + KV bytes / bandwidth` (the issue's floor) and `l0 1-token + KV bytes / bandwidth` "
+        "(the compute no hit avoids); KV bytes: all but the last token's; bandwidths measured on this machine"
+        + (f" (L3: the tier's cap, {l3_bw / 1e9:.1f} GB/s, over a local folder)" if l3_bw else "")
+        + ":",
+        "",
+        "| prompt tokens | KV MiB (our hit) | memcpy GB/s | cold disk read GB/s |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
     for size, b in result["bandwidth"].items():
-        lines.append(f"| {size} | {b['kv_bytes'] / 2**20:.1f} | {b['dram']['best'] / 1e9:.2f} | "
-                     f"{b['disk']['bytes_per_s'] / 1e9:.2f} |")
-    lines += ["", "## Targets", "", "| prompt tokens | ratio | value | target | met |",
-              "| ---: | --- | ---: | ---: | --- |"]
+        lines.append(
+            f"| {size} | {b['kv_bytes'] / 2**20:.1f} | {b['dram']['best'] / 1e9:.2f} | "
+            f"{b['disk']['bytes_per_s'] / 1e9:.2f} |"
+        )
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "| prompt tokens | ratio | value | target | met |",
+        "| ---: | --- | ---: | ---: | --- |",
+    ]
     for t in s["targets"]:
         tgt = "–" if t["target"] is None else ("< 1" if t["target"] == 1.0 else f"≤ {t['target']}")
         met = "–" if t["met"] is None else ("yes" if t["met"] else "**NO**")
         lines.append(f"| {t['size']} | {t['ratio']} | {fmt(t['value'], '.2f')} | {tgt} | {met} |")
     over = {(r["scenario"], r["size"]): r.get("over_paired_l0_ms") for r in s["table"]}
     pairs = [("ours-dram", "example-warm"), ("ours-disk", "example-disk")]
-    if any(over.get((a, size)) is not None and over.get((b, size)) is not None
-           for a, b in pairs for size in cfg["sizes"]):
-        lines += ["", "Same comparison with each engine's speed cancelled out (ms a hit adds over "
-                  "the l0 measured alternately with it in its own engine):", "",
-                  "| prompt tokens | ours-dram | example-warm | ours-disk | example-disk |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+    if any(
+        over.get((a, size)) is not None and over.get((b, size)) is not None for a, b in pairs for size in cfg["sizes"]
+    ):
+        lines += [
+            "",
+            "Same comparison with each engine's speed cancelled out (ms a hit adds over "
+            "the l0 measured alternately with it in its own engine):",
+            "",
+            "| prompt tokens | ours-dram | example-warm | ours-disk | example-disk |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
         for size in cfg["sizes"]:
-            lines.append(f"| {size} | " + " | ".join(
-                fmt(over.get((name, size)), "+.1f") for name in
-                ("ours-dram", "example-warm", "ours-disk", "example-disk")) + " |")
+            lines.append(
+                f"| {size} | "
+                + " | ".join(
+                    fmt(over.get((name, size)), "+.1f")
+                    for name in ("ours-dram", "example-warm", "ours-disk", "example-disk")
+                )
+                + " |"
+            )
     tp = s["throughput"]
     if tp:
         a = result["config"]["throughput"]
-        lines += ["", "## No-reuse throughput", "",
-                  f"{a['prompts']} distinct prompts of {a['len']} tokens, max_tokens {a['max_tokens']}, "
-                  f"submitted at once; {a['rounds']} rounds; in each, every engine runs one batch, "
-                  "in the opposite order of the round before.", "",
-                  "| engine | median tokens/s | rounds (s) |", "| --- | ---: | --- |"]
+        lines += [
+            "",
+            "## No-reuse throughput",
+            "",
+            f"{a['prompts']} distinct prompts of {a['len']} tokens, max_tokens {a['max_tokens']}, "
+            f"submitted at once; {a['rounds']} rounds; in each, every engine runs one batch, "
+            "in the opposite order of the round before.",
+            "",
+            "| engine | median tokens/s | rounds (s) |",
+            "| --- | ---: | --- |",
+        ]
         for name, rounds in sorted(tp["rounds"].items()):
             med = statistics.median(x["tokens_per_s"] for x in rounds)
             lines.append(f"| {name} | {med:,.0f} | " + ", ".join(f"{x['seconds']:.2f}" for x in rounds) + " |")
-        lines.append(f"\nwith / without, median over rounds of the instances' paired ratio = "
-                     f"**{tp['ratio']:.3f}** (target ≥ {tp['target']}: {'met' if tp['met'] else 'NOT met'}); "
-                     f"ratio of the medians {tp.get('ratio_of_medians', tp['ratio']):.3f}")
+        lines.append(
+            f"\nwith / without, median over rounds of the instances' paired ratio = "
+            f"**{tp['ratio']:.3f}** (target ≥ {tp['target']}: {'met' if tp['met'] else 'NOT met'}); "
+            f"ratio of the medians {tp.get('ratio_of_medians', tp['ratio']):.3f}"
+        )
         if tp.get("instance_spread"):
-            lines[-1] += ("; the same statistic between two instances of one configuration (what the "
-                          "ratio reads when nothing differs): " + ", ".join(
-                              f"{k} {v:.3f}" for k, v in tp["instance_spread"].items()))
+            lines[-1] += (
+                "; the same statistic between two instances of one configuration (what the "
+                "ratio reads when nothing differs): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in tp["instance_spread"].items())
+            )
         run = result.get("throughput_run")
         if run:
-            lines[-1] += (f". Measured in a throughput-only run ({run.get('utc', 'date not recorded')}; "
-                          f"machine: {run['machine']}; {run['wall_s'] / 60:.1f} min)")
+            lines[-1] += (
+                f". Measured in a throughput-only run ({run.get('utc', 'date not recorded')}; "
+                f"machine: {run['machine']}; {run['wall_s'] / 60:.1f} min)"
+            )
     if result["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
     return "\n".join(lines) + "\n"
@@ -670,17 +798,21 @@ def summarize_throughput(rounds: dict) -> Optional[dict]:
         return math.exp(sum(map(math.log, xs)) / len(xs))
 
     def per_round(a: list, b: list) -> float:
-        return statistics.median(gmean([tps(n, r) for n in a]) / gmean([tps(n, r) for n in b])
-                                 for r in range(n_rounds))
+        return statistics.median(gmean([tps(n, r) for n in a]) / gmean([tps(n, r) for n in b]) for r in range(n_rounds))
 
-    medians = {k: statistics.median(tps(n, r) for n in names for r in range(n_rounds))
-               for k, names in kinds.items()}
+    medians = {k: statistics.median(tps(n, r) for n in names for r in range(n_rounds)) for k, names in kinds.items()}
     ratio = per_round(kinds["with"], kinds["without"])
     spread = {k: per_round(names[:1], names[1:2]) for k, names in kinds.items() if len(names) > 1}
-    return {"with_tokens_per_s": medians["with"], "without_tokens_per_s": medians["without"],
-            "ratio_of_medians": medians["with"] / medians["without"], "ratio": ratio,
-            "instance_spread": spread, "target": TARGETS["throughput"],
-            "met": ratio >= TARGETS["throughput"], "rounds": rounds}
+    return {
+        "with_tokens_per_s": medians["with"],
+        "without_tokens_per_s": medians["without"],
+        "ratio_of_medians": medians["with"] / medians["without"],
+        "ratio": ratio,
+        "instance_spread": spread,
+        "target": TARGETS["throughput"],
+        "met": ratio >= TARGETS["throughput"],
+        "rounds": rounds,
+    }
 
 
 def log(msg: str) -> None:
@@ -690,8 +822,9 @@ def log(msg: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1024,4096,8192", help="prompt sizes in tokens")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="samples of rows that need a cold prefill each (cold, lmcache-disk)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="samples of rows that need a cold prefill each (cold, lmcache-disk)"
+    )
     p.add_argument("--hit-repeats", type=int, default=5, help="samples of every other hit row")
     p.add_argument("--quick", action="store_true", help="smoke run: sizes 512,1024, small throughput batch")
     p.add_argument("--skip-lmcache", action="store_true")
@@ -705,16 +838,23 @@ def parse_args(argv=None):
     p.add_argument("--dram-size", default="2GiB")
     p.add_argument("--disk-size", default="4GiB")
     p.add_argument("--lmcache-l1-gb", type=float, default=2.0)
-    p.add_argument("--l3-bandwidth", type=float, default=1.8e9,
-                   help="bytes/s cap of the shared tier in the ours-l3 row (Curvine cross-node: 1.8 GB/s)")
+    p.add_argument(
+        "--l3-bandwidth",
+        type=float,
+        default=1.8e9,
+        help="bytes/s cap of the shared tier in the ours-l3 row (Curvine cross-node: 1.8 GB/s)",
+    )
     p.add_argument("--tput-prompts", type=int, default=8)
     p.add_argument("--tput-len", type=int, default=1024)
     p.add_argument("--tput-max-tokens", type=int, default=16)
     p.add_argument("--tput-rounds", type=int, default=10)
     p.add_argument("--tput-instances", type=int, default=2, help="engines of each kind (with, without)")
     p.add_argument("--tput-dram-size", default="1GiB")
-    p.add_argument("--tput-kv-events", action="store_true",
-                   help="the engines with our connector publish vLLM's KV events (the tiers' too)")
+    p.add_argument(
+        "--tput-kv-events",
+        action="store_true",
+        help="the engines with our connector publish vLLM's KV events (the tiers' too)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = "512,1024" if args.sizes == "1024,4096,8192" else args.sizes
@@ -727,8 +867,18 @@ def parse_args(argv=None):
     return args
 
 
-README_ROWS = ["cold", "l0", "l0 1-token", "ours-dram", "lmcache-dram", "example-warm", "ours-disk",
-               "lmcache-disk", "example-disk", "ours-l3"]
+README_ROWS = [
+    "cold",
+    "l0",
+    "l0 1-token",
+    "ours-dram",
+    "lmcache-dram",
+    "example-warm",
+    "ours-disk",
+    "lmcache-disk",
+    "example-disk",
+    "ours-l3",
+]
 
 
 def readme_section(result: dict) -> str:
@@ -740,20 +890,28 @@ def readme_section(result: dict) -> str:
     head = "| | " + " | ".join(f"{n} tokens" for n in sizes) + " |"
     rule = "| --- |" + " ---: |" * len(sizes)
     kept = result.get("restored_rows")
-    lines = [f"Median TTFT in ms ({cfg['machine']}; model and method: "
-             "[bench/results/ttft.md](results/ttft.md)"
-             + (f"; kept from an earlier run: {', '.join(kept)}" if kept else "") + "):", "", head, rule]
+    lines = [
+        f"Median TTFT in ms ({cfg['machine']}; model and method: "
+        "[bench/results/ttft.md](results/ttft.md)"
+        + (f"; kept from an earlier run: {', '.join(kept)}" if kept else "")
+        + "):",
+        "",
+        head,
+        rule,
+    ]
     for name in README_ROWS:
         if any((name, n) in by for n in sizes):
             lines.append(f"| {name} | " + " | ".join(fmt(by.get((name, n), {}).get("median_ms")) for n in sizes) + " |")
     for kind, row in (("dram", "ours-dram"), ("disk", "ours-disk"), ("l3", "ours-l3")):
-        for key, label in (("floor_ms", f"{kind} floor (l0 + KV / bandwidth)"),
-                           ("floor1_ms", f"{kind} 1-token floor")):
+        for key, label in (("floor_ms", f"{kind} floor (l0 + KV / bandwidth)"), ("floor1_ms", f"{kind} 1-token floor")):
             vals = [by.get((row, n), {}).get(key) for n in sizes]
             if any(v is not None for v in vals):
                 lines.append(f"| {label} | " + " | ".join(fmt(v) for v in vals) + " |")
-    lines += ["", "| ratio | " + " | ".join(str(n) for n in sizes) + " | target |",
-              "| --- |" + " ---: |" * len(sizes) + " --- |"]
+    lines += [
+        "",
+        "| ratio | " + " | ".join(str(n) for n in sizes) + " | target |",
+        "| --- |" + " ---: |" * len(sizes) + " --- |",
+    ]
     targets: dict = {}
     for t in s["targets"]:
         targets.setdefault(t["ratio"], {})[t["size"]] = t
@@ -772,11 +930,18 @@ def readme_section(result: dict) -> str:
     if tp:
         n = len(next(iter(tp["rounds"].values())))
         spread = tp.get("instance_spread") or {}
-        lines += ["", f"No-reuse throughput, with / without the connector: **{tp['ratio']:.3f}** "
-                  f"(median of {n} alternated rounds' paired ratios; target ≥ {tp['target']}; medians "
-                  f"{tp['with_tokens_per_s']:,.0f} vs {tp['without_tokens_per_s']:,.0f} tokens/s"
-                  + ("; two instances of one configuration read " + " and ".join(
-                      f"{v:.3f}" for v in spread.values()) if spread else "") + ")."]
+        lines += [
+            "",
+            f"No-reuse throughput, with / without the connector: **{tp['ratio']:.3f}** "
+            f"(median of {n} alternated rounds' paired ratios; target ≥ {tp['target']}; medians "
+            f"{tp['with_tokens_per_s']:,.0f} vs {tp['without_tokens_per_s']:,.0f} tokens/s"
+            + (
+                "; two instances of one configuration read " + " and ".join(f"{v:.3f}" for v in spread.values())
+                if spread
+                else ""
+            )
+            + ").",
+        ]
     if result.get("errors"):
         lines += ["", "Errors in this run: " + "; ".join(result["errors"])]
     return "\n".join(lines)
@@ -810,8 +975,11 @@ def merge_throughput(saved_path: str, new: dict) -> dict:
     result["config"]["throughput"] = new["config"]["throughput"]
     timings = {k: v for k, v in result.get("timings_s", {}).items() if not k.startswith("start:tput-")}
     result["timings_s"] = {**timings, **{k: v for k, v in new["timings_s"].items() if k.startswith("start:tput-")}}
-    result["throughput_run"] = {"machine": new["config"]["machine"], "wall_s": new["wall_s"],
-                                "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    result["throughput_run"] = {
+        "machine": new["config"]["machine"],
+        "wall_s": new["wall_s"],
+        "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
     return result
 
 
@@ -858,8 +1026,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(args.shmdir, ignore_errors=True)
         if not args.keep_workdir:
-            for sub in ("ours-dram-nodisk", "ours-disk", "ours-l3", "lmcache-l2", "example", "tput-disk",
-                        "bandwidth"):
+            for sub in ("ours-dram-nodisk", "ours-disk", "ours-l3", "lmcache-l2", "example", "tput-disk", "bandwidth"):
                 shutil.rmtree(os.path.join(args.workdir, sub), ignore_errors=True)
     import vllm
 
@@ -874,14 +1041,26 @@ def main(argv=None) -> int:
     ttft_saved.stamp_rows(bench, summary["table"])
     result = {
         "config": {
-            "shape": args.shape, "dtype": DTYPE, "bytes_per_token": bench.bytes_per_token,
-            "sizes": args.sizes, "repeats": args.repeats, "hit_repeats": args.hit_repeats, "vllm": vllm.__version__,
+            "shape": args.shape,
+            "dtype": DTYPE,
+            "bytes_per_token": bench.bytes_per_token,
+            "sizes": args.sizes,
+            "repeats": args.repeats,
+            "hit_repeats": args.hit_repeats,
+            "vllm": vllm.__version__,
             "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, load avg "
-                       f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
-            "throughput": {"prompts": args.tput_prompts, "len": args.tput_len,
-                           "max_tokens": args.tput_max_tokens, "rounds": args.tput_rounds,
-                           "instances": args.tput_instances, "kv_events": args.tput_kv_events},
-            "settle_s": SETTLE_S, "kv_space_gib": args.kv_space_gib, "l3_bandwidth": args.l3_bandwidth,
+            f"{load_before[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end",
+            "throughput": {
+                "prompts": args.tput_prompts,
+                "len": args.tput_len,
+                "max_tokens": args.tput_max_tokens,
+                "rounds": args.tput_rounds,
+                "instances": args.tput_instances,
+                "kv_events": args.tput_kv_events,
+            },
+            "settle_s": SETTLE_S,
+            "kv_space_gib": args.kv_space_gib,
+            "l3_bandwidth": args.l3_bandwidth,
         },
         "bandwidth": bench.bandwidth,
         "summary": summary,

@@ -43,7 +43,7 @@ from bench import capacity_stats as stats  # noqa: E402
 from bench.capacity_workloads import Workload, workload  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-CPU_BLOCK = 128   # vLLM's block size on the CPU build
+CPU_BLOCK = 128  # vLLM's block size on the CPU build
 MAX_MODEL_LEN = 8192
 
 # name -> (what it is, settings on top of the common ones). Sizes are the check model's.
@@ -51,8 +51,10 @@ CONFIGS = {
     "vllm-alone": ("vLLM alone, L0 small", {"KVCACHE_ENABLED": "false"}),
     "ours": ("ours, DRAM 2 GiB + disk 8 GiB, L0 small", {"KVCACHE_DRAM_SIZE": "2GiB", "KVCACHE_DISK_SIZE": "8GiB"}),
     "ours-disk": ("ours, disk 8 GiB only, L0 small", {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "8GiB"}),
-    "ours-shared": ("ours, shared tier only (a local folder as KVCACHE_SHARED_URL, read at 1.8 GB/s), L0 small",
-                    {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_SHARED_BANDWIDTH": "1800MB"}),
+    "ours-shared": (
+        "ours, shared tier only (a local folder as KVCACHE_SHARED_URL, read at 1.8 GB/s), L0 small",
+        {"KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_SHARED_BANDWIDTH": "1800MB"},
+    ),
     "limit": ("the limit: vLLM alone, L0 holding everything", {"KVCACHE_ENABLED": "false"}),
 }
 
@@ -61,12 +63,17 @@ def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int) -> di
     """The settings of ``config``'s server, on top of ``bench.soak``'s (the same model)."""
     _, extra = CONFIGS[config]
     tokens = limit_tokens if config == "limit" else l0_tokens
-    env = {"KVCACHE_DRAM_PATH": str(work / "dram"), "KVCACHE_DISK_PATH": str(work / "disk"),
-           "SM_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "SM_VLLM_ENABLE_PREFIX_CACHING": "true",
-           "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": str(max(1, tokens // CPU_BLOCK)),
-           "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-tokens * 4096 * 2 // 2**30))),
-           # one CPU binding for every configuration (issue 31 item 6; bench/peers.py)
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **extra}
+    env = {
+        "KVCACHE_DRAM_PATH": str(work / "dram"),
+        "KVCACHE_DISK_PATH": str(work / "disk"),
+        "SM_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "SM_VLLM_ENABLE_PREFIX_CACHING": "true",
+        "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": str(max(1, tokens // CPU_BLOCK)),
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-tokens * 4096 * 2 // 2**30))),
+        # one CPU binding for every configuration (issue 31 item 6; bench/peers.py)
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        **extra,
+    }
     if config == "ours-shared":
         env["KVCACHE_SHARED_URL"] = f"file://{work / 'shared'}"
     return env
@@ -75,17 +82,29 @@ def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int) -> di
 async def one_turn(session, url: str, turn, model: str) -> dict:
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
-    req = RequestFuncInput(prompt=list(turn.prompt), api_url=f"{url}/v1/completions",
-                           prompt_len=len(turn.prompt), output_len=turn.answer_tokens, model=model,
-                           ignore_eos=True, extra_body={"min_tokens": turn.answer_tokens, "temperature": 0})
+    req = RequestFuncInput(
+        prompt=list(turn.prompt),
+        api_url=f"{url}/v1/completions",
+        prompt_len=len(turn.prompt),
+        output_len=turn.answer_tokens,
+        model=model,
+        ignore_eos=True,
+        extra_body={"min_tokens": turn.answer_tokens, "temperature": 0},
+    )
     out = await async_request_openai_completions(req, session)
-    return {"ok": out.success, "ttft": out.ttft, "itl": out.itl, "asked": turn.answer_tokens,
-            "got": out.output_tokens or 0, "prompt": len(turn.prompt), "start": out.start_time,
-            "error": out.error[-300:] if not out.success else ""}
+    return {
+        "ok": out.success,
+        "ttft": out.ttft,
+        "itl": out.itl,
+        "asked": turn.answer_tokens,
+        "got": out.output_tokens or 0,
+        "prompt": len(turn.prompt),
+        "start": out.start_time,
+        "error": out.error[-300:] if not out.success else "",
+    }
 
 
-async def user(session, url: str, model: str, wl: Workload, uid: int, salt: str,
-               until: float, records: list) -> None:
+async def user(session, url: str, model: str, wl: Workload, uid: int, salt: str, until: float, records: list) -> None:
     """One simulated user: sessions one after another until ``until`` (a turn under way
     then is finished and kept); a first pause drawn up to one think time spreads the start."""
     rng = random.Random(f"{salt}/{uid}/start")
@@ -99,7 +118,7 @@ async def user(session, url: str, model: str, wl: Workload, uid: int, salt: str,
             records.append(rec)
             await asyncio.sleep(turn.think_s)
             if not rec["ok"]:
-                break   # the conversation is dropped, as a client would
+                break  # the conversation is dropped, as a client would
 
 
 async def sweep_point(url: str, model: str, wl: Workload, users: int, duration: float, salt: str) -> dict:
@@ -114,8 +133,7 @@ async def sweep_point(url: str, model: str, wl: Workload, users: int, duration: 
             before = stats.token_counters(await r.text())
         records: list = []
         t0 = time.perf_counter()
-        await asyncio.gather(*(user(session, url, model, wl, u, salt, t0 + duration, records)
-                               for u in range(users)))
+        await asyncio.gather(*(user(session, url, model, wl, u, salt, t0 + duration, records) for u in range(users)))
         seconds = time.perf_counter() - t0
         async with session.get(f"{url}/metrics") as r:
             after = stats.token_counters(await r.text())
@@ -146,11 +164,13 @@ def run_config(config: str, args, work: Path) -> dict:
                 salt = f"{args.salt}-{wname}-{users}-"
                 p = asyncio.run(sweep_point(url, model, wl, users, args.duration, salt))
                 points[users] = p
-                print(f"{config} {wname} {users} users: TTFT p50/p90/p99 {p['ttft_p50']:.2f}/{p['ttft_p90']:.2f}/"
-                      f"{p['ttft_p99']:.2f} s, {p['turns_per_min']:.0f} turns/min, {p['turns']} turns "
-                      f"({p['failed']} failed, {p['short_answers']} short), computed {p['computed_tokens']:,.0f} "
-                      f"of {p['prompt_tokens']:,.0f}, L0 {p['l0_tokens']:,.0f}, loaded {p['loaded_tokens']}",
-                      flush=True)
+                print(
+                    f"{config} {wname} {users} users: TTFT p50/p90/p99 {p['ttft_p50']:.2f}/{p['ttft_p90']:.2f}/"
+                    f"{p['ttft_p99']:.2f} s, {p['turns_per_min']:.0f} turns/min, {p['turns']} turns "
+                    f"({p['failed']} failed, {p['short_answers']} short), computed {p['computed_tokens']:,.0f} "
+                    f"of {p['prompt_tokens']:,.0f}, L0 {p['l0_tokens']:,.0f}, loaded {p['loaded_tokens']}",
+                    flush=True,
+                )
             out["workloads"][wname] = {"points": points, "users_at_slo": stats.users_at_slo(points, args.slo)}
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -170,21 +190,27 @@ METHOD = (
     "turns/min over the window; prompt tokens computed / hit in L0 / loaded per tier from the "
     "server's `/metrics` (vLLM's `prompt_tokens_by_source`, our `tier_tokens_loaded`) before and "
     "after. Users at SLO: the largest user count up to which every point meets it, and a linear "
-    "interpolation to the first that does not. Workloads: `bench/capacity_workloads.py`.")
+    "interpolation to the first that does not. Workloads: `bench/capacity_workloads.py`."
+)
 
 
 def summary(result: dict) -> str:
     """The short summary for bench/README.md."""
     run = result["run"]
     slos = run.get("slos", [run["slo_s"]])
-    lines = [f"Users served at a TTFT p90 SLO ({run['scale']}; "
-             "[bench/results/capacity.md](results/capacity.md), [plot](results/capacity.png)):", "",
-             "| workload | SLO | " + " | ".join(run["configs"]) + " |",
-             "| --- | --- |" + " ---: |" * len(run["configs"])]
+    lines = [
+        f"Users served at a TTFT p90 SLO ({run['scale']}; "
+        "[bench/results/capacity.md](results/capacity.md), [plot](results/capacity.png)):",
+        "",
+        "| workload | SLO | " + " | ".join(run["configs"]) + " |",
+        "| --- | --- |" + " ---: |" * len(run["configs"]),
+    ]
     for wname, configs in result["workloads"].items():
         for x in slos:
-            cells = [stats.slo_text(stats.users_at_slo(configs[c]["points"], x)) if c in configs else "–"
-                     for c in run["configs"]]
+            cells = [
+                stats.slo_text(stats.users_at_slo(configs[c]["points"], x)) if c in configs else "–"
+                for c in run["configs"]
+            ]
             lines.append(f"| {wname} | p90 <= {x:g} s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -198,16 +224,25 @@ def dashboard_text(result: dict) -> str:
     on what, so an operator does not read it as a measurement of their deployment."""
     run = result["run"]
     slos = run.get("slos", [run["slo_s"]])
-    lines = [f"Measured by `python -m bench.capacity` ({run['scale']}; started {run['started']}): "
-             "the project's generated check model on its reference machine, not this deployment. "
-             "Run the benchmark against your model and hardware for your own curve. Live: the panel "
-             "*Capacity curve: TTFT p90 by requests in flight*."]
+    lines = [
+        f"Measured by `python -m bench.capacity` ({run['scale']}; started {run['started']}): "
+        "the project's generated check model on its reference machine, not this deployment. "
+        "Run the benchmark against your model and hardware for your own curve. Live: the panel "
+        "*Capacity curve: TTFT p90 by requests in flight*."
+    ]
     for wname, configs in result["workloads"].items():
         users = sorted({int(u) for c in configs.values() for u in c["points"]})
-        lines += ["", f"**{wname}**: TTFT p90 (s) at each user count; users served at each SLO", "",
-                  "| configuration | " + " | ".join(f"{u} users" for u in users) + " | "
-                  + " | ".join(f"p90 <= {x:g} s" for x in slos) + " |",
-                  "| --- |" + " ---: |" * (len(users) + len(slos))]
+        lines += [
+            "",
+            f"**{wname}**: TTFT p90 (s) at each user count; users served at each SLO",
+            "",
+            "| configuration | "
+            + " | ".join(f"{u} users" for u in users)
+            + " | "
+            + " | ".join(f"p90 <= {x:g} s" for x in slos)
+            + " |",
+            "| --- |" + " ---: |" * (len(users) + len(slos)),
+        ]
         for cname, c in configs.items():
             pts = {int(u): pt for u, pt in c["points"].items()}
             cells = [f"{pts[u]['ttft_p90']:.2f}" if u in pts else "–" for u in users]
@@ -227,8 +262,9 @@ def parse(argv=None):
     p.add_argument("--render", type=Path, help="rewrite the report, plot and summary from a saved JSON")
     p.add_argument("--l0-tokens", type=int, default=32768, help="vLLM's own prefix cache, tokens")
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: chat, vllm-alone and ours, 2 and 4 users, 20 s (unless given)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: chat, vllm-alone and ours, 2 and 4 users, 20 s (unless given)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvbench-capacity")
     args = p.parse_args(argv)
@@ -242,7 +278,7 @@ def parse(argv=None):
         if c not in CONFIGS:
             p.error(f"unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
     for w in args.workloads:
-        workload(w)   # ValueError names the known ones
+        workload(w)  # ValueError names the known ones
     args.users = sorted({int(u) for u in args.users.split(",")})
     if not args.users or args.users[0] < 1 or args.duration <= 0:
         p.error("--users must be positive integers and --duration > 0")
@@ -279,18 +315,29 @@ def main(argv=None) -> int:
         result["run"].update(slo_s=args.slo, slos=args.slos)
         write(result, args.out, [], args.workdir)
         return 0
-    scale = (f"workloads {','.join(args.workloads)}; configurations {','.join(args.configs)}; users "
-             f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
-             f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
-             f"(limit {args.limit_tokens:,}); {os.cpu_count()} CPUs")
-    result = {"run": {"scale": scale, "method": METHOD, "slo_s": args.slo, "slos": args.slos, "configs": args.configs,
-                      "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-              "configs": {}, "workloads": {}}
+    scale = (
+        f"workloads {','.join(args.workloads)}; configurations {','.join(args.configs)}; users "
+        f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
+        f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
+        f"(limit {args.limit_tokens:,}); {os.cpu_count()} CPUs"
+    )
+    result = {
+        "run": {
+            "scale": scale,
+            "method": METHOD,
+            "slo_s": args.slo,
+            "slos": args.slos,
+            "configs": args.configs,
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "configs": {},
+        "workloads": {},
+    }
     failed = []
     for config in args.configs:
         try:
             c = run_config(config, args, args.workdir / config)
-        except (Exception, SystemExit) as e:   # start_server exits on a dead server
+        except (Exception, SystemExit) as e:  # start_server exits on a dead server
             print(f"{config}: failed: {e}", flush=True)
             failed.append(config)
             continue

@@ -60,13 +60,17 @@ def summarize(turns: list[dict], seconds: float, counters: dict[str, float]) -> 
     computed = counters.get("prompt:local_compute", 0.0)
     prompt = counters.get("prompt", 0.0) or sum(counters.get(f"prompt:{s}", 0.0) for s in SOURCES)
     return {
-        "turns": len(ok), "failed": len(turns) - len(ok),
+        "turns": len(ok),
+        "failed": len(turns) - len(ok),
         "short_answers": sum(1 for t in ok if t["got"] < t["asked"]),
         "turns_per_min": 60.0 * len(ok) / seconds if seconds > 0 else math.nan,
-        "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p90": percentile(ttft, 0.9),
         "ttft_p99": percentile(ttft, 0.99),
-        "itl_p50": percentile(itl, 0.5), "itl_p90": percentile(itl, 0.9),
-        "prompt_tokens": prompt, "computed_tokens": computed,
+        "itl_p50": percentile(itl, 0.5),
+        "itl_p90": percentile(itl, 0.9),
+        "prompt_tokens": prompt,
+        "computed_tokens": computed,
         "l0_tokens": counters.get("prompt:local_cache_hit", 0.0),
         "loaded_tokens": {tier: counters.get(f"loaded:{tier}", 0.0) for tier in TIERS},
         "computed_share": computed / prompt if prompt else math.nan,
@@ -78,11 +82,11 @@ def users_at_slo(points: dict[int, dict], slo_s: float, key: str = "ttft_p90") -
     below which every point meets it (``served``), ``bound`` ``">="`` when even the largest
     meets it and ``"<"`` when the smallest does not, and an estimate interpolated linearly
     between the last point that meets it and the first that does not."""
-    points = {int(u): p for u, p in points.items()}   # keys are strings after a JSON round trip
+    points = {int(u): p for u, p in points.items()}  # keys are strings after a JSON round trip
     users = sorted(points)
     served = None
     for u in users:
-        if not points[u][key] <= slo_s:    # NaN (no finished turn) fails too
+        if not points[u][key] <= slo_s:  # NaN (no finished turn) fails too
             break
         served = u
     if served is None:
@@ -112,18 +116,25 @@ def slo_text(s: dict) -> str:
 def report(result: dict) -> str:
     """The markdown report of a whole run (``result``: what ``bench.capacity`` saves)."""
     run = result["run"]
-    out = ["# Capacity: users at a TTFT SLO", "",
-           f"Scale run: {run['scale']}.", "", run["method"], ""]
+    out = ["# Capacity: users at a TTFT SLO", "", f"Scale run: {run['scale']}.", "", run["method"], ""]
     for wname, configs in result["workloads"].items():
         slos = run.get("slos", [run["slo_s"]])
-        out += [f"## {wname}", "", "Users at a TTFT p90 SLO:", "",
-                "| configuration | " + " | ".join(f"p90 <= {x:g} s" for x in slos) + " |",
-                "| --- |" + " --- |" * len(slos)]
+        out += [
+            f"## {wname}",
+            "",
+            "Users at a TTFT p90 SLO:",
+            "",
+            "| configuration | " + " | ".join(f"p90 <= {x:g} s" for x in slos) + " |",
+            "| --- |" + " --- |" * len(slos),
+        ]
         for cname, c in configs.items():
             out.append(f"| {cname} | " + " | ".join(slo_text(users_at_slo(c["points"], x)) for x in slos) + " |")
-        out += ["", "| configuration | users | TTFT p50 s | p90 s | p99 s | ITL p50 ms | ITL p90 ms | turns/min "
-                "| turns (failed, short) | prompt tokens | computed | L0 hit | loaded dram | disk | shared |",
-                "| --- |" + " ---: |" * 14]
+        out += [
+            "",
+            "| configuration | users | TTFT p50 s | p90 s | p99 s | ITL p50 ms | ITL p90 ms | turns/min "
+            "| turns (failed, short) | prompt tokens | computed | L0 hit | loaded dram | disk | shared |",
+            "| --- |" + " ---: |" * 14,
+        ]
         for cname, c in configs.items():
             for u, p in sorted(c["points"].items(), key=lambda kv: int(kv[0])):
                 ld = p["loaded_tokens"]
@@ -132,7 +143,8 @@ def report(result: dict) -> str:
                     f"| {_fmt(1e3 * p['itl_p50'])} | {_fmt(1e3 * p['itl_p90'])} | {p['turns_per_min']:.0f} "
                     f"| {p['turns']} ({p['failed']}, {p['short_answers']}) | {p['prompt_tokens']:,.0f} "
                     f"| {p['computed_tokens']:,.0f} | {p['l0_tokens']:,.0f} | {ld['dram']:,.0f} "
-                    f"| {ld['disk']:,.0f} | {ld['shared']:,.0f} |")
+                    f"| {ld['disk']:,.0f} | {ld['shared']:,.0f} |"
+                )
         out += ratios(configs) + [""]
     return "\n".join(out) + "\n"
 

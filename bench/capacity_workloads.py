@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-VOCAB = 256   # byte tokens of the check model (BOS/EOS lie above and are never sent)
+VOCAB = 256  # byte tokens of the check model (BOS/EOS lie above and are never sent)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Turn:
     prompt: tuple[int, ...]
     answer_tokens: int
     think_s: float
-    session: str   # "<workload>-<user>-<session>": one id per conversation
+    session: str  # "<workload>-<user>-<session>": one id per conversation
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,12 @@ class Workload:
     """A workload's knobs; ``sessions`` builds a user's endless stream of sessions."""
 
     name: str
-    shared_tokens: int                    # system prompt / agent prefix, shared by all users
-    turns: tuple[int, int]                # turns per session (inclusive)
-    new_tokens: tuple[int, int]           # new tokens per turn (inclusive)
+    shared_tokens: int  # system prompt / agent prefix, shared by all users
+    turns: tuple[int, int]  # turns per session (inclusive)
+    new_tokens: tuple[int, int]  # new tokens per turn (inclusive)
     answer_tokens: tuple[int, int] = (16, 32)
     think_s: float = 6.0
-    docs: int = 0                         # rag: pool size (0: not a RAG workload)
+    docs: int = 0  # rag: pool size (0: not a RAG workload)
     doc_tokens: tuple[int, int] = (800, 1600)
     zipf_s: float = 1.1
     seed: int = 0
@@ -105,7 +105,7 @@ class Workload:
                 context = context + _tokens(rng, rng.randint(*self.new_tokens))
                 answer = rng.randint(*self.answer_tokens)
                 session.append(Turn(context, answer, self.think_s, sid))
-                context = context + _tokens(rng, answer)   # the answer's stand-in
+                context = context + _tokens(rng, answer)  # the answer's stand-in
             yield session
 
 
@@ -115,7 +115,7 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 def _zipf_cdf(n: int, s: float) -> list[float]:
     """Cumulative Zipf weights of ranks 1..n (rank 1 the most popular)."""
-    return list(itertools.accumulate(1.0 / (k ** s) for k in range(1, n + 1)))
+    return list(itertools.accumulate(1.0 / (k**s) for k in range(1, n + 1)))
 
 
 WORKLOADS = {

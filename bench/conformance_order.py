@@ -133,7 +133,7 @@ def fence(b: Bench, warm: bool) -> bool:
             busy()
     got = b.copier.gather_async(b.ids)
     b.copier.fence()  # what the connector does before the next forward pass
-    b.fill(0xFF)      # the next forward pass overwrites the blocks
+    b.fill(0xFF)  # the next forward pass overwrites the blocks
     got.wait()
     ok = bool((got.host.view(torch.uint8) == 0x3C).all())
     got.release()
@@ -190,6 +190,10 @@ def threads_select_the_device(case: dict, device: torch.device) -> dict:
         t.start()
         t.join()
     got.release()
-    return {"device": device.index, "devices": torch.cuda.device_count(), "seen": seen,
-            "distinguishing": device.index != 0,
-            "ok": all(v == device.index for v in seen.values()) and len(seen) == 2}
+    return {
+        "device": device.index,
+        "devices": torch.cuda.device_count(),
+        "seen": seen,
+        "distinguishing": device.index != 0,
+        "ok": all(v == device.index for v in seen.values()) and len(seen) == 2,
+    }

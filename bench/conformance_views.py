@@ -25,8 +25,8 @@ import torch
 from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.vllm.staging import StagingPool
 
-GATHER_IDS = ([3, 4, 5, 17, 9, 0, 22, 11], [6, 7, 8])   # scattered (index copies), one run (slices)
-SCATTER_IDS, SKIP, HELD = [13, 2, 19], 1, 4              # an entry of 4 blocks, the first skipped
+GATHER_IDS = ([3, 4, 5, 17, 9, 0, 22, 11], [6, 7, 8])  # scattered (index copies), one run (slices)
+SCATTER_IDS, SKIP, HELD = [13, 2, 19], 1, 4  # an entry of 4 blocks, the first skipped
 
 
 def build(case: dict, device: torch.device, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -37,8 +37,10 @@ def build(case: dict, device: torch.device, seed: int) -> tuple[torch.Tensor, di
 
 
 def views_over(case: dict, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {v["name"]: torch.as_strided(raw.view(getattr(torch, v["dtype"])), v["shape"], v["stride"], v["offset"])
-            for v in case["views"]}
+    return {
+        v["name"]: torch.as_strided(raw.view(getattr(torch, v["dtype"])), v["shape"], v["stride"], v["offset"])
+        for v in case["views"]
+    }
 
 
 def logical(view: torch.Tensor, block: int, split: int) -> torch.Tensor:
@@ -57,8 +59,12 @@ def reference(views: dict[str, torch.Tensor], blocks, split: int) -> torch.Tenso
 def copier_for(views: dict[str, torch.Tensor], num_blocks: int, streams=None) -> BlockCopier:
     layout = KVLayout.of(views, num_blocks)
     device = next(iter(views.values())).device
-    pool = StagingPool(layout.bytes_per_block() * max(len(GATHER_IDS[0]), HELD), 4, pin=device.type == "cuda",
-                       happened=(lambda e: e.query()) if device.type == "cuda" else None)
+    pool = StagingPool(
+        layout.bytes_per_block() * max(len(GATHER_IDS[0]), HELD),
+        4,
+        pin=device.type == "cuda",
+        happened=(lambda e: e.query()) if device.type == "cuda" else None,
+    )
     return BlockCopier(views, layout, staging=pool, streams=streams)
 
 
@@ -82,12 +88,15 @@ def check_case(case: dict, device: torch.device, streams=None) -> dict[str, bool
         out[f"gather {'scattered' if len(ids) > 3 else 'run'}"] = ok
     snapshot = raw.clone()
     gen = torch.Generator().manual_seed(2)
-    src = torch.randint(0, 256, (len(views), HELD, layout.block_bytes()), dtype=torch.uint8,
-                        generator=gen).view(layout.dtype).view(layout.entry_shape(HELD))
+    src = (
+        torch.randint(0, 256, (len(views), HELD, layout.block_bytes()), dtype=torch.uint8, generator=gen)
+        .view(layout.dtype)
+        .view(layout.entry_shape(HELD))
+    )
     copier.scatter(SCATTER_IDS, src, skip_blocks=SKIP)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    want = _bytes(src, layout)[:, SKIP:SKIP + len(SCATTER_IDS)].to(device)
+    want = _bytes(src, layout)[:, SKIP : SKIP + len(SCATTER_IDS)].to(device)
     out["scatter exact"] = torch.equal(reference(views, SCATTER_IDS, split), want)
     before = views_over(case, snapshot)
     for name, view in views.items():  # the target blocks' old bytes back, through the views
@@ -112,8 +121,9 @@ def check_carry(cases: list[dict], device: torch.device, streams=None) -> dict[s
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         moved = GATHER_IDS[0][SKIP:HELD]
-        out[f"{_name(a)} -> {_name(b)}"] = torch.equal(reference(dst, SCATTER_IDS, into_b.layout.split),
-                                                      reference(src, moved, from_a.layout.split))
+        out[f"{_name(a)} -> {_name(b)}"] = torch.equal(
+            reference(dst, SCATTER_IDS, into_b.layout.split), reference(src, moved, from_a.layout.split)
+        )
     return out
 
 
@@ -135,8 +145,9 @@ def run(fixtures: dict, device: torch.device, names: Optional[set] = None, strea
             out["refused_by_vllm"][name] = case["refused_by_vllm"]
             continue
         try:
-            KVLayout.of(views_over(case, torch.empty(case["buffer_bytes"], dtype=torch.int8, device="meta")),
-                        case["num_blocks"])
+            KVLayout.of(
+                views_over(case, torch.empty(case["buffer_bytes"], dtype=torch.int8, device="meta")), case["num_blocks"]
+            )
         except ValueError as e:  # a view vLLM builds that the cache cannot read
             out["cases"][name] = {f"accepted ({e})": False}
             continue
@@ -148,5 +159,6 @@ def run(fixtures: dict, device: torch.device, names: Optional[set] = None, strea
 
 
 def passed(result: dict) -> bool:
-    return all(all(c.values()) for c in result["cases"].values()) and \
-        all(all(c.values()) for c in result["carry"].values())
+    return all(all(c.values()) for c in result["cases"].values()) and all(
+        all(c.values()) for c in result["carry"].values()
+    )

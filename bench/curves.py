@@ -42,34 +42,54 @@ def measure(name: str, requests, fraction: float, policy: str = DEFAULT_POLICY) 
         chunks += len(r.hash_ids)
     cost_us = (time.perf_counter() - t0) / max(1, chunks) * 1e6
     got = curve.ratios()
-    row = {"source": name, "fraction": fraction, "capacity_blocks": cap, "requests": len(requests),
-           "chunks": chunks, "sample_rate": curve.rate, "cost_us_per_chunk": round(cost_us, 2),
-           "curve": {k: round(v, 4) for k, v in got.items()}, "exact": {}, "error": {}}
+    row = {
+        "source": name,
+        "fraction": fraction,
+        "capacity_blocks": cap,
+        "requests": len(requests),
+        "chunks": chunks,
+        "sample_rate": curve.rate,
+        "cost_us_per_chunk": round(cost_us, 2),
+        "curve": {k: round(v, 4) for k, v in got.items()},
+        "exact": {},
+        "error": {},
+    }
     for label, m in CHECKED:
         exact = run(requests, policy, max(1, round(m * cap))).token_hit_ratio
         row["exact"][label] = round(exact, 4)
         row["error"][label] = round(got[label] - exact, 4)
-    print(f"{name:>8} {fraction:4.0%} cap {cap:>6} rate 1/{1 / curve.rate:.0f}: " + "  ".join(
-        f"{lab}x {got[lab]:.4f}/{row['exact'][lab]:.4f} ({row['error'][lab]:+.4f})" for lab, _ in CHECKED)
-        + f"  {cost_us:.1f} us/chunk", flush=True)
+    print(
+        f"{name:>8} {fraction:4.0%} cap {cap:>6} rate 1/{1 / curve.rate:.0f}: "
+        + "  ".join(f"{lab}x {got[lab]:.4f}/{row['exact'][lab]:.4f} ({row['error'][lab]:+.4f})" for lab, _ in CHECKED)
+        + f"  {cost_us:.1f} us/chunk",
+        flush=True,
+    )
     return row
 
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
     worst = {lab: max(abs(r["error"][lab]) for r in rows) for lab in ("0.5", "2")}
-    out = ["# Miss-ratio curves against exact replays", "",
-           f"Policy `{result['policy']}`; sample: the largest miniature cache at most {result['slots']} "
-           f"chunks, rate at most 1/{2 ** result['min_shift']}; workloads at scale {result['scale']} "
-           f"(seed 0). Each cell: the curve's estimate / the exact replay at that size (error). "
-           f"Made by `python -m bench.curves`.", "",
-           f"**Worst absolute error: {worst['0.5']:.4f} at 0.5x, {worst['2']:.4f} at 2x** "
-           f"(tests/test_curves.py allows 0.04 on smaller workloads).", "",
-           "| source | tier | rate | 0.5x | 1x | 2x | us/chunk |", "| --- | ---: | ---: | --- | --- | --- | ---: |"]
+    out = [
+        "# Miss-ratio curves against exact replays",
+        "",
+        f"Policy `{result['policy']}`; sample: the largest miniature cache at most {result['slots']} "
+        f"chunks, rate at most 1/{2 ** result['min_shift']}; workloads at scale {result['scale']} "
+        f"(seed 0). Each cell: the curve's estimate / the exact replay at that size (error). "
+        f"Made by `python -m bench.curves`.",
+        "",
+        f"**Worst absolute error: {worst['0.5']:.4f} at 0.5x, {worst['2']:.4f} at 2x** "
+        f"(tests/test_curves.py allows 0.04 on smaller workloads).",
+        "",
+        "| source | tier | rate | 0.5x | 1x | 2x | us/chunk |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: |",
+    ]
     for r in rows:
         cells = [f"{r['curve'][lab]:.3f} / {r['exact'][lab]:.3f} ({r['error'][lab]:+.3f})" for lab, _ in CHECKED]
-        out.append(f"| {r['source']} | {r['fraction']:.0%} ({r['capacity_blocks']:,}) | "
-                   f"1/{1 / r['sample_rate']:.0f} | " + " | ".join(cells) + f" | {r['cost_us_per_chunk']} |")
+        out.append(
+            f"| {r['source']} | {r['fraction']:.0%} ({r['capacity_blocks']:,}) | "
+            f"1/{1 / r['sample_rate']:.0f} | " + " | ".join(cells) + f" | {r['cost_us_per_chunk']} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -82,8 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sources = [("mooncake", load_trace(str(TRACE)))] if TRACE.exists() else []
     sources += [(w, generate(w, 0, args.scale)) for w in WORKLOADS]
     rows = [measure(name, reqs, f) for name, reqs in sources for f in args.fractions]
-    result = {"policy": DEFAULT_POLICY, "slots": SLOTS, "min_shift": MIN_SHIFT, "scale": args.scale,
-              "rows": rows}
+    result = {"policy": DEFAULT_POLICY, "slots": SLOTS, "min_shift": MIN_SHIFT, "scale": args.scale, "rows": rows}
     (args.out / "curves.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "curves.md").write_text(markdown(result))
     print(markdown(result))

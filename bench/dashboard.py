@@ -35,8 +35,21 @@ from bench.peers import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "kvcache.json"
 # PromQL words that look like names: functions are followed by "(", these are not always.
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-             "bool", "offset", "inf", "nan"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 _NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
@@ -55,7 +68,7 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     names = set()
     for m in _NAME.finditer(text):
-        word, after = m.group(), text[m.end():].lstrip()[:1]
+        word, after = m.group(), text[m.end() :].lstrip()[:1]
         if after == "(" or word.lower() in _KEYWORDS or word.startswith("$"):
             continue
         if m.start() > 0 and text[m.start() - 1] in "$.0123456789":
@@ -89,13 +102,20 @@ class Prometheus:
         self.dir = Path(tempfile.mkdtemp(prefix="kvcache-prom-"))
         (self.dir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            f"scrape_configs: [{{job_name: kvcache, static_configs: [{{targets: ['{target}']}}]}}]\n")
+            f"scrape_configs: [{{job_name: kvcache, static_configs: [{{targets: ['{target}']}}]}}]\n"
+        )
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(self.dir / "prometheus.log", "w")
-        self.proc = subprocess.Popen([self.binary, f"--config.file={self.dir / 'prometheus.yml'}",
-                                      f"--storage.tsdb.path={self.dir / 'data'}",
-                                      f"--web.listen-address={self.url[len('http://'):]}"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address={self.url[len('http://') :]}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:

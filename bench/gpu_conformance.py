@@ -46,7 +46,7 @@ from bench import conformance_views, kv_fixtures  # noqa: E402
 from cache.vllm.kv_copy import BlockCopier, KVLayout  # noqa: E402
 from cache.vllm.staging import StagingPool  # noqa: E402
 
-ORDER_CASE = "llama3_8b/LBNHC"       # FlashAttention's layout (and FlashInfer's before Blackwell)
+ORDER_CASE = "llama3_8b/LBNHC"  # FlashAttention's layout (and FlashInfer's before Blackwell)
 TARGET_LAYOUTS = ("LBNHC", "LBHNC")  # what vLLM 0.32 picks for FlashAttention / FlashInfer (Blackwell: LBHNC)
 SMALL_CASE = "gqa_bf16/LBNHC"
 
@@ -71,8 +71,9 @@ def _best(fn, device: torch.device, repeats: int) -> float:
 
 def _pool(layout: KVLayout, blocks: int, slots: int, device: torch.device) -> StagingPool:
     cuda = device.type == "cuda"
-    return StagingPool(layout.bytes_per_block() * blocks, slots, pin=cuda,
-                       happened=(lambda e: e.query()) if cuda else None)
+    return StagingPool(
+        layout.bytes_per_block() * blocks, slots, pin=cuda, happened=(lambda e: e.query()) if cuda else None
+    )
 
 
 def _pinned_bytes() -> int:
@@ -98,11 +99,19 @@ def staging_high_water(case: dict, device: torch.device, gathers: int = 64, slot
         g.release()
     _sync(device)
     grown = _pinned_bytes() - before - allocated
-    out = {"pool_bytes": pool.nbytes, "slots": slots, "gathers": gathers, "skipped": pool.dropped_saves,
-           "high_water_slots": pool.high_water, "high_water_bytes": pool.high_water * pool.slot_bytes,
-           "pinned_allocated_by_pool": allocated, "pinned_grown_by_gathers": grown}
-    out["ok"] = (pool.high_water <= slots and pool.dropped_saves == gathers - slots
-                 and grown <= (1 << 20))  # (block-id index tensors only)
+    out = {
+        "pool_bytes": pool.nbytes,
+        "slots": slots,
+        "gathers": gathers,
+        "skipped": pool.dropped_saves,
+        "high_water_slots": pool.high_water,
+        "high_water_bytes": pool.high_water * pool.slot_bytes,
+        "pinned_allocated_by_pool": allocated,
+        "pinned_grown_by_gathers": grown,
+    }
+    out["ok"] = (
+        pool.high_water <= slots and pool.dropped_saves == gathers - slots and grown <= (1 << 20)
+    )  # (block-id index tensors only)
     return out
 
 
@@ -139,9 +148,14 @@ def bandwidth(case: dict, device: torch.device, tokens=(256, 1024), repeats: int
             copier.scatter(ids, entry)
 
         g, s = _best(gather, device, repeats), _best(scatter, device, repeats)
-        out[n_tokens] = {"entry_bytes": nbytes, "gather_s": g, "gather_GBps": nbytes / g / 1e9,
-                         "scatter_s": s, "scatter_GBps": nbytes / s / 1e9,
-                         "enqueue_ms": 1e3 * min(enqueue() for _ in range(repeats))}
+        out[n_tokens] = {
+            "entry_bytes": nbytes,
+            "gather_s": g,
+            "gather_GBps": nbytes / g / 1e9,
+            "scatter_s": s,
+            "scatter_GBps": nbytes / s / 1e9,
+            "enqueue_ms": 1e3 * min(enqueue() for _ in range(repeats)),
+        }
     return out
 
 
@@ -160,8 +174,12 @@ def run(device: torch.device, repeats: int) -> dict:
     fixtures = kv_fixtures.load()
     cuda = device.type == "cuda"
     names = None if cuda else {n for n in fixtures["cases"] if not n.startswith("llama")}
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "fixtures_vllm": fixtures["vllm"], "gpu_part": cuda}
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "fixtures_vllm": fixtures["vllm"],
+        "gpu_part": cuda,
+    }
     result["views"] = conformance_views.run(fixtures, device, names)
     result["staging"] = staging_high_water(fixtures["cases"][SMALL_CASE], device)
     if cuda:
@@ -179,8 +197,11 @@ def run(device: torch.device, repeats: int) -> dict:
 def ok(result: dict) -> bool:
     good = conformance_views.passed(result["views"]) and result["staging"]["ok"]
     if result["gpu_part"]:
-        good = good and result["threads"]["ok"] and all(
-            c["ordered"] and not c["unordered"] for c in result["ordering"].values())
+        good = (
+            good
+            and result["threads"]["ok"]
+            and all(c["ordered"] and not c["unordered"] for c in result["ordering"].values())
+        )
     return good
 
 

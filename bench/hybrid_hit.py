@@ -41,9 +41,17 @@ if REPO not in sys.path:
 # layers (window 512), 2 full, a prefill of seconds
 SHAPES = {
     "small": None,
-    "medium": {"hidden": 512, "heads": 4, "kv_heads": 2, "max_positions": 16384, "seed": 0,
-               "layers": (["sliding_attention"] * 5 + ["full_attention"]) * 2, "sliding_window": 512,
-               "head_dim": 128, "intermediate": 1024},
+    "medium": {
+        "hidden": 512,
+        "heads": 4,
+        "kv_heads": 2,
+        "max_positions": 16384,
+        "seed": 0,
+        "layers": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+        "sliding_window": 512,
+        "head_dim": 128,
+        "intermediate": 1024,
+    },
 }
 SETTLE_S = 0.3
 
@@ -69,10 +77,18 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     for name in args.models.split(","):
         shapes[name] = run_model(args, name, rows, plans)
-    return {"command": " ".join(["python -m bench.hybrid_hit", *sys.argv[1:]]), "shapes": shapes,
-            "load_decision": args.load_decision, "sizes": args.sizes, "repeats": args.repeats, "rows": rows,
-            "plans": plans, "seconds": round(time.perf_counter() - t0, 1), "cpus": os.cpu_count(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "command": " ".join(["python -m bench.hybrid_hit", *sys.argv[1:]]),
+        "shapes": shapes,
+        "load_decision": args.load_decision,
+        "sizes": args.sizes,
+        "repeats": args.repeats,
+        "rows": rows,
+        "plans": plans,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def run_model(args, name: str, rows: dict, plans: dict) -> dict:
@@ -88,10 +104,10 @@ def run_model(args, name: str, rows: dict, plans: dict) -> dict:
     os.makedirs(disk)
     sizes = [int(x) for x in args.sizes.split(",")]
     kv = peers.ours(os.path.join(args.workdir, "shm"), "0", disk, "4GiB", load_decision=args.load_decision)
-    spec = {"model": model, "dtype": "float32", "max_model_len": max(sizes) + 256, "kv_transfer": kv,
-            "log_stats": True}
+    spec = {"model": model, "dtype": "float32", "max_model_len": max(sizes) + 256, "kv_transfer": kv, "log_stats": True}
     env = {**peers.ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
     with EngineProcess(spec, os.path.join(args.workdir, "engine.log"), env=env) as e:
+
         def ttft(prompt, reset=False, load=True):
             time.sleep(SETTLE_S)
             extra = {} if load else {"kv_transfer_params": {"kvcache_load": False}}
@@ -113,9 +129,12 @@ def run_model(args, name: str, rows: dict, plans: dict) -> dict:
                 row["disk_served"].append(served(r))
                 pagecache.drop(disk)
                 row["recompute"].append(ttft(prompt, reset=True, load=False)["seconds"])
-                print(f"  {name} {size:6d} #{i}: cold {row['cold'][-1] * 1e3:.0f} ms, vllm hit "
-                      f"{row['vllm_hit'][-1] * 1e3:.0f} ms, disk hit {r['seconds'] * 1e3:.0f} ms "
-                      f"({row['disk_served'][-1]}), recompute {row['recompute'][-1] * 1e3:.0f} ms", flush=True)
+                print(
+                    f"  {name} {size:6d} #{i}: cold {row['cold'][-1] * 1e3:.0f} ms, vllm hit "
+                    f"{row['vllm_hit'][-1] * 1e3:.0f} ms, disk hit {r['seconds'] * 1e3:.0f} ms "
+                    f"({row['disk_served'][-1]}), recompute {row['recompute'][-1] * 1e3:.0f} ms",
+                    flush=True,
+                )
         metrics = e.call(op="metrics")["metrics"]
     for key, row in rows.items():
         if key.startswith(name + "/"):
@@ -123,29 +142,45 @@ def run_model(args, name: str, rows: dict, plans: dict) -> dict:
             row["median_s"] = m
             row["disk_over_vllm_hit"] = m["disk_hit"] / m["vllm_hit"]
             row["disk_over_recompute"] = m["disk_hit"] / m["recompute"]
-    plans.update({f"{name}: {k}": v for k, v in metrics.items()
-                  if k.startswith(("kvcache:requests_by_path", "kvcache:loads_total"))})
+    plans.update(
+        {
+            f"{name}: {k}": v
+            for k, v in metrics.items()
+            if k.startswith(("kvcache:requests_by_path", "kvcache:loads_total"))
+        }
+    )
     return shape
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# A sliding-window model's hit{(' (' + result['tag'] + ')') if result.get('tag') else ''}", "",
-             f"Command: `flock /tmp/kvcache-engine.lock .venv/bin/{result['command']}`", "",
-             "Models: generated Gemma 3s, float32: "
-             + "; ".join(f"{k}: {v}" for k, v in result["shapes"].items())
-             + f". Our connector on a disk tier only, KVCACHE_LOAD_DECISION={result['load_decision']}; "
-             f"{result['repeats']} fresh prompts a size, medians; {result['cpus']} CPUs, load avg "
-             f"{result['loadavg_1m']} at end; {result['seconds']} s.", "",
-             "| model/prompt | cold ms | vLLM prefix hit ms | our disk hit ms | recompute ms | disk / vLLM hit | "
-             "disk / recompute | disk hits served |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"# A sliding-window model's hit{(' (' + result['tag'] + ')') if result.get('tag') else ''}",
+        "",
+        f"Command: `flock /tmp/kvcache-engine.lock .venv/bin/{result['command']}`",
+        "",
+        "Models: generated Gemma 3s, float32: "
+        + "; ".join(f"{k}: {v}" for k, v in result["shapes"].items())
+        + f". Our connector on a disk tier only, KVCACHE_LOAD_DECISION={result['load_decision']}; "
+        f"{result['repeats']} fresh prompts a size, medians; {result['cpus']} CPUs, load avg "
+        f"{result['loadavg_1m']} at end; {result['seconds']} s.",
+        "",
+        "| model/prompt | cold ms | vLLM prefix hit ms | our disk hit ms | recompute ms | disk / vLLM hit | "
+        "disk / recompute | disk hits served |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for size, row in result["rows"].items():
         m = row["median_s"]
-        lines.append(f"| {size} | {m['cold'] * 1e3:.0f} | {m['vllm_hit'] * 1e3:.0f} | {m['disk_hit'] * 1e3:.0f} | "
-                     f"{m['recompute'] * 1e3:.0f} | {row['disk_over_vllm_hit']:.2f} | "
-                     f"{row['disk_over_recompute']:.2f} | {'; '.join(row['disk_served'])} |")
-    lines += ["", "Requests by the cost model's path, loads: "
-              + ", ".join(f"`{k}` {v:g}" for k, v in sorted(result["plans"].items())), ""]
+        lines.append(
+            f"| {size} | {m['cold'] * 1e3:.0f} | {m['vllm_hit'] * 1e3:.0f} | {m['disk_hit'] * 1e3:.0f} | "
+            f"{m['recompute'] * 1e3:.0f} | {row['disk_over_vllm_hit']:.2f} | "
+            f"{row['disk_over_recompute']:.2f} | {'; '.join(row['disk_served'])} |"
+        )
+    lines += [
+        "",
+        "Requests by the cost model's path, loads: "
+        + ", ".join(f"`{k}` {v:g}" for k, v in sorted(result["plans"].items())),
+        "",
+    ]
     return "\n".join(lines)
 
 

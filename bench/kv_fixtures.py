@@ -36,28 +36,60 @@ FIXTURES = os.path.join(REPO, "bench", "fixtures", "kv_views.json")
 KINDS = (
     ("gqa_bf16", "FullAttentionSpec", dict(block_size=16, num_kv_heads=4, head_size=64, dtype="bfloat16"), None),
     ("gqa_fp8_uint8", "FullAttentionSpec", dict(block_size=16, num_kv_heads=4, head_size=64, dtype="uint8"), None),
-    ("gqa_float8_e4m3fn", "FullAttentionSpec",
-     dict(block_size=16, num_kv_heads=4, head_size=64, dtype="float8_e4m3fn"), None),
-    ("gqa_bf16_block64", "FullAttentionSpec", dict(block_size=64, num_kv_heads=4, head_size=64, dtype="bfloat16"),
-     None),
+    (
+        "gqa_float8_e4m3fn",
+        "FullAttentionSpec",
+        dict(block_size=16, num_kv_heads=4, head_size=64, dtype="float8_e4m3fn"),
+        None,
+    ),
+    (
+        "gqa_bf16_block64",
+        "FullAttentionSpec",
+        dict(block_size=64, num_kv_heads=4, head_size=64, dtype="bfloat16"),
+        None,
+    ),
     # the same spec with the kernel taking 16-token blocks: 4 kernel blocks per block
-    ("gqa_bf16_kernel_split", "FullAttentionSpec",
-     dict(block_size=64, num_kv_heads=4, head_size=64, dtype="bfloat16"), 16),
+    (
+        "gqa_bf16_kernel_split",
+        "FullAttentionSpec",
+        dict(block_size=64, num_kv_heads=4, head_size=64, dtype="bfloat16"),
+        16,
+    ),
     ("mla_bf16", "MLAAttentionSpec", dict(block_size=64, num_kv_heads=1, head_size=576, dtype="bfloat16"), None),
-    ("mla_fp8_ds_mla", "MLAAttentionSpec",
-     dict(block_size=64, num_kv_heads=1, head_size=576, dtype="uint8", cache_dtype_str="fp8_ds_mla",
-          state_content_bytes=656), None),
-    ("mla_fp8_ds_mla_padded", "MLAAttentionSpec",
-     dict(block_size=64, num_kv_heads=1, head_size=576, dtype="uint8", cache_dtype_str="fp8_ds_mla",
-          state_content_bytes=656, alignment=576), None),
+    (
+        "mla_fp8_ds_mla",
+        "MLAAttentionSpec",
+        dict(
+            block_size=64,
+            num_kv_heads=1,
+            head_size=576,
+            dtype="uint8",
+            cache_dtype_str="fp8_ds_mla",
+            state_content_bytes=656,
+        ),
+        None,
+    ),
+    (
+        "mla_fp8_ds_mla_padded",
+        "MLAAttentionSpec",
+        dict(
+            block_size=64,
+            num_kv_heads=1,
+            head_size=576,
+            dtype="uint8",
+            cache_dtype_str="fp8_ds_mla",
+            state_content_bytes=656,
+            alignment=576,
+        ),
+        None,
+    ),
 )
 SMALL = dict(layers=2, blocks=24)
 LLAMA3_8B = ("llama3_8b", "FullAttentionSpec", dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16"))
 LLAMA_SHAPE = dict(layers=32, blocks=1024)  # 16,384 tokens: 4 GiB of views per layout
 
 
-def _case(spec_cls: str, spec_kw: dict, kernel_block: int | None, layout_name: str, layers: int,
-          blocks: int) -> dict:
+def _case(spec_cls: str, spec_kw: dict, kernel_block: int | None, layout_name: str, layers: int, blocks: int) -> dict:
     import torch
     from vllm.v1 import kv_cache_interface as kvi
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
@@ -69,22 +101,38 @@ def _case(spec_cls: str, spec_kw: dict, kernel_block: int | None, layout_name: s
     spec = getattr(kvi, spec_cls)(**kw)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     config = SimpleNamespace(
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, num_gpu_blocks_override=blocks,
-                                     prefix_cache_retention_interval=None),
-        attention_config=SimpleNamespace(hisparse_config=None))
-    out = {"layout": layout_name, "spec": f"{spec_cls}({', '.join(f'{k}={v}' for k, v in spec_kw.items())})",
-           "block_size": spec.block_size, "kernel_block_size": kernel_block, "num_blocks": blocks}
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout,
+            num_gpu_blocks_override=blocks,
+            prefix_cache_retention_interval=None,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+    out = {
+        "layout": layout_name,
+        "spec": f"{spec_cls}({', '.join(f'{k}={v}' for k, v in spec_kw.items())})",
+        "block_size": spec.block_size,
+        "kernel_block_size": kernel_block,
+        "num_blocks": blocks,
+    }
     try:
         kv_config = get_kv_cache_config_from_groups(config, [kvi.KVCacheGroupSpec(names, spec)], 1 << 40)
-        views = allocate_kv_cache(kv_config, torch.device("meta"), layout,
-                                  [kernel_block] if kernel_block else None)
+        views = allocate_kv_cache(kv_config, torch.device("meta"), layout, [kernel_block] if kernel_block else None)
     except (ValueError, AssertionError) as e:
         out["refused_by_vllm"] = f"{type(e).__name__}: {e}"
         return out
     out["buffer_bytes"] = kv_config.kv_cache_tensors[0].size
     out["page_bytes"] = spec.page_size_bytes
-    out["views"] = [{"name": n, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
-                     "stride": list(v.stride()), "offset": v.storage_offset()} for n, v in views.items()]
+    out["views"] = [
+        {
+            "name": n,
+            "dtype": str(v.dtype).removeprefix("torch."),
+            "shape": list(v.shape),
+            "stride": list(v.stride()),
+            "offset": v.storage_offset(),
+        }
+        for n, v in views.items()
+    ]
     return out
 
 
@@ -121,8 +169,7 @@ def main(argv=None) -> int:
         print(f"wrote {len(fresh['cases'])} cases (vLLM {fresh['vllm']}) to {FIXTURES}")
         return 0
     old = load() if os.path.exists(FIXTURES) else {"cases": {}}
-    changed = sorted(k for k in set(fresh["cases"]) | set(old["cases"])
-                     if fresh["cases"].get(k) != old["cases"].get(k))
+    changed = sorted(k for k in set(fresh["cases"]) | set(old["cases"]) if fresh["cases"].get(k) != old["cases"].get(k))
     print(f"{len(changed)} of {len(fresh['cases'])} cases differ from {FIXTURES}: {changed}")
     return 1 if changed else 0
 

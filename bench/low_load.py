@@ -55,8 +55,9 @@ async def run_users(url: str, model: str, wl, users: int, duration: float, salt:
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(capacity.user(session, url, model, wl, u, salt, t0 + duration, records)
-                               for u in range(users)))
+        await asyncio.gather(
+            *(capacity.user(session, url, model, wl, u, salt, t0 + duration, records) for u in range(users))
+        )
     return records
 
 
@@ -90,14 +91,16 @@ def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> di
     if profile_to is not None:
         shutil.rmtree(profile_to, ignore_errors=True)
         profile_to.mkdir(parents=True)
-        env.update(PYTHONPATH=f"{shim(str(work / 'shim'))}:{REPO}:{repo}",  # (the server runs in repo)
-                   KVBENCH_STACKS=str(profile_to.resolve()))
+        env.update(
+            PYTHONPATH=f"{shim(str(work / 'shim'))}:{REPO}:{repo}",  # (the server runs in repo)
+            KVBENCH_STACKS=str(profile_to.resolve()),
+        )
     proc, url = start_server(work, overrides=env, repo=repo)
     before: dict = {}
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         if profile_to is not None:
-            time.sleep(6)   # the sampler's counts up to now (start-up) are written
+            time.sleep(6)  # the sampler's counts up to now (start-up) are written
             before = _stacks(profile_to)
         records = asyncio.run(run_users(url, model, workload(args.workload), args.users, args.duration, salt))
         if profile_to is not None:
@@ -119,15 +122,20 @@ def summary(records: list[dict]) -> dict:
     ok = [r for r in records if r["ok"]]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
-    return {"turns": len(ok), "failed": len(records) - len(ok),
-            **{f"ttft_p{q}": stats.percentile(ttft, q / 100) for q in (50, 90, 99)},
-            **{f"itl_p{q}": stats.percentile(itl, q / 100) for q in (50, 90)}}
+    return {
+        "turns": len(ok),
+        "failed": len(records) - len(ok),
+        **{f"ttft_p{q}": stats.percentile(ttft, q / 100) for q in (50, 90, 99)},
+        **{f"itl_p{q}": stats.percentile(itl, q / 100) for q in (50, 90)},
+    }
 
 
 def line(name: str, s: dict, base: dict | None) -> str:
-    text = (f"{name:12s} {s['turns']:4d} turns  TTFT p50/p90/p99 {s['ttft_p50'] * 1e3:6.1f} / "
-            f"{s['ttft_p90'] * 1e3:6.1f} / {s['ttft_p99'] * 1e3:6.1f} ms  "
-            f"ITL p50/p90 {s['itl_p50'] * 1e3:.2f} / {s['itl_p90'] * 1e3:.2f} ms")
+    text = (
+        f"{name:12s} {s['turns']:4d} turns  TTFT p50/p90/p99 {s['ttft_p50'] * 1e3:6.1f} / "
+        f"{s['ttft_p90'] * 1e3:6.1f} / {s['ttft_p99'] * 1e3:6.1f} ms  "
+        f"ITL p50/p90 {s['itl_p50'] * 1e3:.2f} / {s['itl_p90'] * 1e3:.2f} ms"
+    )
     if base is not None:
         text += "  ratio " + " / ".join(f"{s[k] / base[k]:.2f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99"))
     return text
@@ -136,8 +144,10 @@ def line(name: str, s: dict, base: dict | None) -> str:
 def profile_summary(config: str, samples: dict[str, Counter], turns: int, top: int = 20) -> str:
     """Per process: samples per thread; in the engine core, the cache's frames (``/cache/``,
     inclusive) per thread. Counts per turn, so configurations compare."""
-    lines = [f"{config}: samples per turn ({turns} turns; one sample = 4 ms of a thread's wall time; a "
-             "thread's total counts its idle waits too, a cache frame only while it runs or waits in it)"]
+    lines = [
+        f"{config}: samples per turn ({turns} turns; one sample = 4 ms of a thread's wall time; a "
+        "thread's total counts its idle waits too, a cache frame only while it runs or waits in it)"
+    ]
     for proc, counts in sorted(samples.items()):
         threads: Counter = Counter()
         ours: Counter = Counter()
@@ -165,8 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=90.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--l0-tokens", type=int, default=32768)
-    p.add_argument("--profile", type=Path,
-                   help="sample every server process's stacks (bench.stack_sampler) into this folder")
+    p.add_argument(
+        "--profile", type=Path, help="sample every server process's stacks (bench.stack_sampler) into this folder"
+    )
     p.add_argument("--base", type=Path, help=f"another source tree: adds {BASE!r}, ours as that tree runs it")
     p.add_argument("--json", type=Path, help="write every round's summaries here")
     p.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvbench-low-load")
@@ -204,8 +215,11 @@ def main(argv=None) -> int:
     for c in configs:
         print("  " + line(c, total[c], total[configs[0]] if c != configs[0] else None))
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rounds": rounds, "pooled": total}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "pooled": total}, indent=1
+            )
+        )
     return 0 if all(total[c]["turns"] for c in configs) else 1
 
 

@@ -24,8 +24,7 @@ from cache.tiers.files import read_into
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _PAGE = mmap.PAGESIZE
@@ -102,8 +101,10 @@ def dram_bandwidth(nbytes: int, repeats: int = 5) -> dict:
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     result = {}
-    for name, copy in (("numpy", lambda: np.copyto(dst, src)),
-                       ("torch", lambda: torch.from_numpy(dst).copy_(torch.from_numpy(src)))):
+    for name, copy in (
+        ("numpy", lambda: np.copyto(dst, src)),
+        ("torch", lambda: torch.from_numpy(dst).copy_(torch.from_numpy(src))),
+    ):
         copy()  # fault the pages in
         times = []
         for _ in range(repeats):
@@ -140,5 +141,8 @@ def disk_bandwidth(nbytes: int, folder: str, repeats: int = 3) -> dict:
                 os.close(fd)
     finally:
         os.unlink(path)
-    return {"bytes_per_s": nbytes / min(times), "median_bytes_per_s": nbytes / statistics.median(times),
-            "resident_before_read": max(resident)}
+    return {
+        "bytes_per_s": nbytes / min(times),
+        "median_bytes_per_s": nbytes / statistics.median(times),
+        "resident_before_read": max(resident),
+    }

@@ -31,18 +31,21 @@ from typing import Optional
 ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def ours(dram_path: str, dram_size: str, disk_path: str, disk_size: str,
-         chunk_tokens: int = 256, **more: str) -> dict:
+def ours(dram_path: str, dram_size: str, disk_path: str, disk_size: str, chunk_tokens: int = 256, **more: str) -> dict:
     """kv_transfer_config fields for our TieredKVConnector ("0" disables a tier), its
     configuration resolved here, once, as the server does; ``more``: further settings by
     their names without ``KVCACHE_``, in lower case (``shared_url=...``)."""
     from cache.config import build_cache_config
     from cache.vllm import kv_transfer_config
 
-    settings = {"KVCACHE_DRAM_PATH": dram_path, "KVCACHE_DRAM_SIZE": dram_size,
-                "KVCACHE_DISK_PATH": disk_path, "KVCACHE_DISK_SIZE": disk_size,
-                "KVCACHE_CHUNK_TOKENS": str(chunk_tokens),
-                **{f"KVCACHE_{k.upper()}": v for k, v in more.items()}}
+    settings = {
+        "KVCACHE_DRAM_PATH": dram_path,
+        "KVCACHE_DRAM_SIZE": dram_size,
+        "KVCACHE_DISK_PATH": disk_path,
+        "KVCACHE_DISK_SIZE": disk_size,
+        "KVCACHE_CHUNK_TOKENS": str(chunk_tokens),
+        **{f"KVCACHE_{k.upper()}": v for k, v in more.items()},
+    }
     return kv_transfer_config(build_cache_config(settings))
 
 
@@ -72,8 +75,10 @@ def lmcache_available() -> Optional[str]:
     """None if LMCache can run here, else the reason it cannot."""
     exe = shutil.which("lmcache", path=os.path.dirname(sys.executable))
     if exe is None:
-        return ("the `lmcache` command is not in this venv: pip install lmcache==0.5.6 --no-deps "
-                "sortedcontainers aiofile aiofiles redis")
+        return (
+            "the `lmcache` command is not in this venv: pip install lmcache==0.5.6 --no-deps "
+            "sortedcontainers aiofile aiofiles redis"
+        )
     return None
 
 
@@ -86,25 +91,38 @@ def free_port() -> int:
 class LMCacheServer:
     """``lmcache server`` in its own process group; ``stop`` ends the whole group."""
 
-    def __init__(self, log_path: str, l1_gb: float, l2_dir: Optional[str] = None,
-                 chunk_tokens: int = 256) -> None:
+    def __init__(self, log_path: str, l1_gb: float, l2_dir: Optional[str] = None, chunk_tokens: int = 256) -> None:
         self.port = free_port()
         exe = shutil.which("lmcache", path=os.path.dirname(sys.executable))
-        cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gb),
-               "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
-               # Its HTTP admin API defaults to 8080: keep clear of anything else on the
-               # machine. Observability off: its OTel metrics need a Prometheus exporter
-               # that is not installed, and it is overhead we do not measure.
-               "--http-port", str(free_port()), "--disable-observability"]
+        cmd = [
+            exe,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--chunk-size",
+            str(chunk_tokens),
+            "--l1-size-gb",
+            str(l1_gb),
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "engine_driven",
+            # Its HTTP admin API defaults to 8080: keep clear of anything else on the
+            # machine. Observability off: its OTel metrics need a Prometheus exporter
+            # that is not installed, and it is overhead we do not measure.
+            "--http-port",
+            str(free_port()),
+            "--disable-observability",
+        ]
         if l2_dir:
             os.makedirs(l2_dir, exist_ok=True)
             cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": l2_dir})]
         self.log_path = log_path
         self._log = open(log_path, "ab")
         env = {**os.environ, **ENGINE_ENV, "LMCACHE_DISABLE_BANNER": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._wait_listening(timeout=120)
 
     def _wait_listening(self, timeout: float) -> None:

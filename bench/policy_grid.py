@@ -29,7 +29,7 @@ class Cell:
     workload: str
     fraction: float
     capacity_blocks: int
-    ratio: Dict[str, float] = field(default_factory=dict)      # policy -> token hit ratio
+    ratio: Dict[str, float] = field(default_factory=dict)  # policy -> token hit ratio
     lookups_per_s: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -41,14 +41,22 @@ class Cell:
         return self.ratio[policy] - self.best_classic
 
     def as_dict(self) -> dict:
-        return {"workload": self.workload, "fraction": self.fraction,
-                "capacity_blocks": self.capacity_blocks, "token_hit_ratio": self.ratio,
-                "chunk_lookups_per_s": self.lookups_per_s, "margin": self.margin()}
+        return {
+            "workload": self.workload,
+            "fraction": self.fraction,
+            "capacity_blocks": self.capacity_blocks,
+            "token_hit_ratio": self.ratio,
+            "chunk_lookups_per_s": self.lookups_per_s,
+            "margin": self.margin(),
+        }
 
 
-def grid_rows(traces: Dict[str, Sequence[Request]], fractions: Sequence[float] = FRACTIONS,
-              policies: Sequence[str] = CLASSICS + (DEFAULT_POLICY, "belady"),
-              progress: bool = False) -> List[Cell]:
+def grid_rows(
+    traces: Dict[str, Sequence[Request]],
+    fractions: Sequence[float] = FRACTIONS,
+    policies: Sequence[str] = CLASSICS + (DEFAULT_POLICY, "belady"),
+    progress: bool = False,
+) -> List[Cell]:
     """Replay every trace at every capacity (a share of its distinct blocks) through every
     policy, each built fresh."""
     cells = []
@@ -60,15 +68,17 @@ def grid_rows(traces: Dict[str, Sequence[Request]], fractions: Sequence[float] =
                 cell.ratio[p] = res.token_hit_ratio
                 cell.lookups_per_s[p] = res.lookups_per_s
             if progress:
-                print(f"  {name:>14} {f:4.0%} {cell.capacity_blocks:>6} blocks: "
-                      + " ".join(f"{p}={cell.ratio[p]:.4f}" for p in policies)
-                      + f" margin={cell.margin():+.4f}", flush=True)
+                print(
+                    f"  {name:>14} {f:4.0%} {cell.capacity_blocks:>6} blocks: "
+                    + " ".join(f"{p}={cell.ratio[p]:.4f}" for p in policies)
+                    + f" margin={cell.margin():+.4f}",
+                    flush=True,
+                )
             cells.append(cell)
     return cells
 
 
-def workload_traces(scale: float, seed: int = 0,
-                    names: Sequence[str] = tuple(WORKLOADS)) -> Dict[str, List[Request]]:
+def workload_traces(scale: float, seed: int = 0, names: Sequence[str] = tuple(WORKLOADS)) -> Dict[str, List[Request]]:
     """Every named workload generated at ``scale`` from ``seed``."""
     return {name: generate(name, seed, scale) for name in names}
 
@@ -76,27 +86,40 @@ def workload_traces(scale: float, seed: int = 0,
 def markdown(cells: Sequence[Cell], policies: Sequence[str], title: str, note: str) -> str:
     """The robustness table: one row per workload and capacity."""
     ours = DEFAULT_POLICY
-    lines = [f"# {title}", "", note, "",
-             "| workload | capacity | blocks | " + " | ".join(
-                 f"**{p}**" if p == ours else p for p in policies)
-             + " | ours - best classic |",
-             "| --- | ---: | ---: | " + " | ".join("---:" for _ in policies) + " | ---: |"]
+    lines = [
+        f"# {title}",
+        "",
+        note,
+        "",
+        "| workload | capacity | blocks | "
+        + " | ".join(f"**{p}**" if p == ours else p for p in policies)
+        + " | ours - best classic |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in policies) + " | ---: |",
+    ]
     for c in cells:
-        lines.append(f"| {c.workload} | {c.fraction:.0%} | {c.capacity_blocks:,} | "
-                     + " | ".join(f"**{c.ratio[p]:.4f}**" if p == ours else f"{c.ratio[p]:.4f}"
-                                  for p in policies)
-                     + f" | {c.margin():+.4f} |")
+        lines.append(
+            f"| {c.workload} | {c.fraction:.0%} | {c.capacity_blocks:,} | "
+            + " | ".join(f"**{c.ratio[p]:.4f}**" if p == ours else f"{c.ratio[p]:.4f}" for p in policies)
+            + f" | {c.margin():+.4f} |"
+        )
     worst = min(cells, key=lambda c: c.margin())
-    lines += ["", f"Worst margin of `{ours}` over the best of LRU, ARC and S3-FIFO: "
-              f"**{worst.margin():+.4f}** ({worst.workload} at {worst.fraction:.0%}); "
-              f"best {max(c.margin() for c in cells):+.4f}."]
+    lines += [
+        "",
+        f"Worst margin of `{ours}` over the best of LRU, ARC and S3-FIFO: "
+        f"**{worst.margin():+.4f}** ({worst.workload} at {worst.fraction:.0%}); "
+        f"best {max(c.margin() for c in cells):+.4f}.",
+    ]
     rates: Dict[str, List[float]] = {}
     for c in cells:
         for p, r in c.lookups_per_s.items():
             rates.setdefault(p, []).append(r)
-    lines += ["", "Chunk lookups per second (median over the cells, one CPython thread, "
-              "wall time of the whole replay):", "", "| policy | chunk lookups/s |",
-              "| --- | ---: |"]
+    lines += [
+        "",
+        "Chunk lookups per second (median over the cells, one CPython thread, wall time of the whole replay):",
+        "",
+        "| policy | chunk lookups/s |",
+        "| --- | ---: |",
+    ]
     lines += [f"| {p} | {sorted(v)[len(v) // 2]:,.0f} |" for p, v in rates.items()]
     return "\n".join(lines) + "\n"
 
@@ -117,15 +140,20 @@ def plot(cells: Sequence[Cell], path, policies: Sequence[str]) -> None:
         mine = [c for c in cells if c.workload == name]
         xs = [100 * c.fraction for c in mine]
         for p in policies:
-            ax.plot(xs, [c.ratio[p] for c in mine], styles.get(p, ".-"), label=p,
-                    linewidth=2.2 if p == DEFAULT_POLICY else 1.0)
+            ax.plot(
+                xs,
+                [c.ratio[p] for c in mine],
+                styles.get(p, ".-"),
+                label=p,
+                linewidth=2.2 if p == DEFAULT_POLICY else 1.0,
+            )
         ax.set_xscale("log")
         ax.set_xticks(xs)
         ax.set_xticklabels([f"{x:g}%" for x in xs])
         worst = min(c.margin() for c in mine)
         ax.set_title(f"{name} (worst margin {worst:+.3f})", fontsize=9)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.supxlabel("tier capacity (share of distinct blocks)")

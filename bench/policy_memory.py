@@ -50,16 +50,17 @@ def sampled_adaptive(sampled_slots: int, leader: str = "s3fifo") -> Callable[[],
     """A ``prefix-adaptive`` builder whose experts are sampled beyond ``sampled_slots``,
     starting with ``leader`` (S3-FIFO: the largest full-scale policy measured, its ghosts
     included)."""
+
     def make() -> PrefixAdaptivePolicy:
         p = PrefixAdaptivePolicy()
         p.panel.SAMPLED_SLOTS = sampled_slots
         p.panel.lead = p.panel.names.index(leader)
         return p
+
     return make
 
 
-def adaptive_cost(n: int = 4000, sampled_slots: int = 256,
-                  leader: str = "s3fifo") -> Tuple[float, float]:
+def adaptive_cost(n: int = 4000, sampled_slots: int = 256, leader: str = "s3fifo") -> Tuple[float, float]:
     """``prefix-adaptive``'s memory as bytes per tracked chunk and a fixed cost, with
     sampling active and ``leader`` mirrored: the per-chunk cost is the difference between
     tiers of ``n`` and ``2 n`` chunks (the experts, sampled to the same size in both,

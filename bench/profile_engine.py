@@ -38,16 +38,20 @@ def _events(path: str, start: int) -> list[dict]:
 
 def profile(tier: str, sizes: list[int], repeats: int, work: str, model: str) -> dict:
     log_path = os.path.join(work, f"timing-{tier}.jsonl")
-    kv = peers.ours(os.path.join(work, "shm" if tier == "disk" else "unused"), "0", work + "/disk", "4GiB") \
-        if tier == "disk" else peers.ours("/dev/shm/kvbench-profile-engine", "2GiB", work + "/unused", "0")
+    kv = (
+        peers.ours(os.path.join(work, "shm" if tier == "disk" else "unused"), "0", work + "/disk", "4GiB")
+        if tier == "disk"
+        else peers.ours("/dev/shm/kvbench-profile-engine", "2GiB", work + "/unused", "0")
+    )
     kv["kv_connector"] = "TimedTieredKVConnector"
     kv["kv_connector_module_path"] = "bench.timed_connector"
     kv["kv_connector_extra_config"]["timing_log"] = log_path
     spec = {"model": model, "dtype": DTYPE, "max_model_len": max(sizes) + 256, "kv_transfer": kv}
     out = {}
     rng = random.Random(time.time_ns())
-    with EngineProcess(spec, os.path.join(work, f"engine-{tier}.log"),
-                       env={**peers.ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}) as e:
+    with EngineProcess(
+        spec, os.path.join(work, f"engine-{tier}.log"), env={**peers.ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    ) as e:
         for size in sizes:
             prompt = [rng.randrange(256) for _ in range(size)]
             e.call(op="ttft", prompt=prompt, reset=False)
@@ -72,20 +76,26 @@ def profile(tier: str, sizes: list[int], repeats: int, work: str, model: str) ->
                 io = [x for x in ev if x["event"] == "io_get"]
                 rt = [x for x in ev if x["event"] == "scheduled_after_async_load"]
                 look = [x for x in ev if x["event"] == "lookup" and x["tokens"]]
-                rows.append({
-                    "ttft": r["seconds"] * 1e3, "l0": r0["seconds"] * 1e3,
-                    "extra": (r["seconds"] - r0["seconds"]) * 1e3,
-                    "lookup": sum(x["ms"] for x in look),
-                    "load": sum(x["total_ms"] for x in load),
-                    "read": sum(x["read_ms"] for x in load) + sum(x["read_ms"] for x in io),
-                    "decode": sum(x["decode_ms"] for x in load) + sum(x["decode_ms"] for x in io),
-                    "scatter": sum(x["scatter_ms"] for x in load),
-                    "async_round_trip": rt[0]["ms"] if rt else 0.0,
-                })
+                rows.append(
+                    {
+                        "ttft": r["seconds"] * 1e3,
+                        "l0": r0["seconds"] * 1e3,
+                        "extra": (r["seconds"] - r0["seconds"]) * 1e3,
+                        "lookup": sum(x["ms"] for x in look),
+                        "load": sum(x["total_ms"] for x in load),
+                        "read": sum(x["read_ms"] for x in load) + sum(x["read_ms"] for x in io),
+                        "decode": sum(x["decode_ms"] for x in load) + sum(x["decode_ms"] for x in io),
+                        "scatter": sum(x["scatter_ms"] for x in load),
+                        "async_round_trip": rt[0]["ms"] if rt else 0.0,
+                    }
+                )
             out[size] = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
             kv_mib = (size - 1) * Bench.bytes_per_token_of(MODEL_SHAPE) / 2**20
-            print(f"{tier} {size} tokens ({kv_mib:.0f} MiB), median of {repeats} (ms): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in out[size].items()), flush=True)
+            print(
+                f"{tier} {size} tokens ({kv_mib:.0f} MiB), median of {repeats} (ms): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in out[size].items()),
+                flush=True,
+            )
     return out
 
 

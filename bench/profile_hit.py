@@ -59,8 +59,9 @@ def main(argv=None) -> None:
     block, chunk = 128, 256
     n_chunks = args.tokens // chunk
     num_blocks = 2 * args.tokens // block + 8
-    caches = {f"layer.{i}": torch.randn(num_blocks, args.kv_heads, block, 2 * args.head_dim)
-              for i in range(args.layers)}
+    caches = {
+        f"layer.{i}": torch.randn(num_blocks, args.kv_heads, block, 2 * args.head_dim) for i in range(args.layers)
+    }
     layout = KVLayout.of(caches, num_blocks)
     copier = BlockCopier(caches, layout)
     ns = Namespace("profile", "0", layout.dtype_name, "profile", chunk_tokens=chunk)
@@ -72,15 +73,22 @@ def main(argv=None) -> None:
     dst_blocks = [list(range(dst_base + i * per, dst_base + (i + 1) * per)) for i in range(n_chunks)]
     nbytes = layout.bytes_per_block() * per * n_chunks
     report = {"tokens": args.tokens, "chunks": n_chunks, "kv_bytes": nbytes, "tiers": {}}
-    print(f"{args.tokens} tokens, {n_chunks} chunks of {chunk}, KV {nbytes / 2**20:.1f} MiB "
-          f"({layout.bytes_per_block() * per / 2**20:.2f} MiB per chunk)")
+    print(
+        f"{args.tokens} tokens, {n_chunks} chunks of {chunk}, KV {nbytes / 2**20:.1f} MiB "
+        f"({layout.bytes_per_block() * per / 2**20:.2f} MiB per chunk)"
+    )
 
     for tier_name in ("dram", "disk"):
         shutil.rmtree(args.shm, ignore_errors=True)
         shutil.rmtree(args.disk, ignore_errors=True)
-        config = build_cache_config({"KVCACHE_DRAM_PATH": args.shm, "KVCACHE_DISK_PATH": args.disk,
-                                     "KVCACHE_DRAM_SIZE": "2GiB" if tier_name == "dram" else "0",
-                                     "KVCACHE_DISK_SIZE": "2GiB" if tier_name == "disk" else "0"})
+        config = build_cache_config(
+            {
+                "KVCACHE_DRAM_PATH": args.shm,
+                "KVCACHE_DISK_PATH": args.disk,
+                "KVCACHE_DRAM_SIZE": "2GiB" if tier_name == "dram" else "0",
+                "KVCACHE_DISK_SIZE": "2GiB" if tier_name == "disk" else "0",
+            }
+        )
         timed = {"read": 0.0, "decode": 0.0}
 
         def timer(step, seconds, timed=timed):
@@ -89,12 +97,25 @@ def main(argv=None) -> None:
         store = writer_store(config, ns, timer=timer)
         for i, key in enumerate(keys):
             host = copier.gather(src_blocks[i])
-            store.put(key, keys[i - 1] if i else None, layout.dtype_name, tuple(host.shape),
-                      host.view(torch.uint8).reshape(-1).numpy())
+            store.put(
+                key,
+                keys[i - 1] if i else None,
+                layout.dtype_name,
+                tuple(host.shape),
+                host.view(torch.uint8).reshape(-1).numpy(),
+            )
         store.flush()
         folder = args.shm if tier_name == "dram" else args.disk
-        steps = {"lookup": [], "read": [], "decode": [], "scatter": [], "sum": [], "worker_path": [],
-                 "placed": [], "placed_worker": []}
+        steps = {
+            "lookup": [],
+            "read": [],
+            "decode": [],
+            "scatter": [],
+            "sum": [],
+            "worker_path": [],
+            "placed": [],
+            "placed_worker": [],
+        }
         for _ in range(args.repeats):
             if tier_name == "disk":
                 pagecache.drop(folder)
@@ -137,8 +158,10 @@ def main(argv=None) -> None:
 
                 t = time.perf_counter()
                 jobs = [store.run_read(store.get_into, k, place(i)) for i, k in enumerate(keys)] if parallel else []
-                got = [store.get_into(key, place(i)) if not jobs or jobs[i].cancel() else None
-                       for i, key in enumerate(keys)]  # what no read thread has started
+                got = [
+                    store.get_into(key, place(i)) if not jobs or jobs[i].cancel() else None
+                    for i, key in enumerate(keys)
+                ]  # what no read thread has started
                 got = [g if g is not None else jobs[i].result() for i, g in enumerate(got)]
                 assert all(g is not None for g in got)
                 steps[name].append(time.perf_counter() - t)
@@ -158,8 +181,10 @@ def main(argv=None) -> None:
         print(f"copy + hash {name + ':':25s} {ms:6.1f} ms ({nbytes / ms / 1e6:.2f} GB/s)")
     disk = pagecache.disk_bandwidth(nbytes, args.disk)
     report["disk_read_ms"] = nbytes / disk["bytes_per_s"] * 1e3
-    print(f"cold read of one file of the same size: {report['disk_read_ms']:.1f} ms "
-          f"({disk['bytes_per_s'] / 1e9:.2f} GB/s)")
+    print(
+        f"cold read of one file of the same size: {report['disk_read_ms']:.1f} ms "
+        f"({disk['bytes_per_s'] / 1e9:.2f} GB/s)"
+    )
     shutil.rmtree(args.shm, ignore_errors=True)
     shutil.rmtree(args.disk, ignore_errors=True)
     print(json.dumps(report))
@@ -195,12 +220,12 @@ def verified_copy_bounds(nbytes: int, n_files: int, folder: str, repeats: int) -
         """Entry ``i`` into its place in ``view``: ``fill(piece, offset)``, then the hash."""
         h, base = xxhash.xxh3_128(), i * size
         for off in range(0, size, PIECE_BYTES):
-            piece = view[base + off:base + off + PIECE_BYTES]
+            piece = view[base + off : base + off + PIECE_BYTES]
             fill(piece, off)
             h.update(piece)
 
     def from_memory(i: int) -> None:
-        copy_and_hash(i, lambda piece, off: copy_into(piece, sources[i][off:off + len(piece)]))
+        copy_and_hash(i, lambda piece, off: copy_into(piece, sources[i][off : off + len(piece)]))
 
     def from_tmpfs(i: int) -> None:
         fd = os.open(paths[i], os.O_RDONLY)
@@ -213,6 +238,7 @@ def verified_copy_bounds(nbytes: int, n_files: int, folder: str, repeats: int) -
         def run(k):
             for i in range(k, n_files, threads):
                 job(i)
+
         workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
         t = time.perf_counter()
         for w in workers:
@@ -221,8 +247,11 @@ def verified_copy_bounds(nbytes: int, n_files: int, folder: str, repeats: int) -
             w.join()
         return (time.perf_counter() - t) * 1e3
 
-    cases = {f"from {src}, {n} thread{'s' if n > 1 else ''}": (job, n)
-             for src, job in (("memory", from_memory), ("tmpfs", from_tmpfs)) for n in (1, 2)}
+    cases = {
+        f"from {src}, {n} thread{'s' if n > 1 else ''}": (job, n)
+        for src, job in (("memory", from_memory), ("tmpfs", from_tmpfs))
+        for n in (1, 2)
+    }
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(max(3, repeats)):  # alternated, so a noisy moment hits every case alike
         for name, (job, n) in cases.items():

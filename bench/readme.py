@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-README = Path(__file__).resolve().parent / "README.md"   # bench/README.md
+README = Path(__file__).resolve().parent / "README.md"  # bench/README.md
 
 
 def markers(name: str) -> tuple[str, str]:
     """The begin and end markers of script ``name``'s section."""
-    return (f"<!-- {name}: begin (written by python -m bench.{name}; do not edit) -->",
-            f"<!-- {name}: end -->")
+    return (f"<!-- {name}: begin (written by python -m bench.{name}; do not edit) -->", f"<!-- {name}: end -->")
 
 
 def replace_section(name: str, body: str, readme: Path = README) -> bool:

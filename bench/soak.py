@@ -36,7 +36,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-WARMUP_S = 30.0   # RSS is judged flat over what follows
+WARMUP_S = 30.0  # RSS is judged flat over what follows
 
 
 def _text(seed: int, n: int) -> str:
@@ -54,15 +54,17 @@ def request(rng: random.Random) -> tuple[str, str, dict]:
     stream = rng.random() < 0.3
     kind = rng.choice(("chat", "completion", "tgi"))
     if kind == "chat":
-        body = {"messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}],
-                "max_tokens": rng.randint(1, 16), "stream": stream}
+        body = {
+            "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+            "max_tokens": rng.randint(1, 16),
+            "stream": stream,
+        }
         path = rng.choice(("/invocations", "/v1/chat/completions"))
     elif kind == "completion":
         body = {"prompt": prefix + question, "max_tokens": rng.randint(1, 16), "stream": stream}
         path = rng.choice(("/invocations", "/v1/completions"))
     else:
-        body = {"inputs": prefix + question, "stream": stream,
-                "parameters": {"max_new_tokens": rng.randint(1, 16)}}
+        body = {"inputs": prefix + question, "stream": stream, "parameters": {"max_new_tokens": rng.randint(1, 16)}}
         path = "/invocations"
     return kind + ("-stream" if stream else ""), path, body
 
@@ -126,17 +128,34 @@ def start_server(tmp: Path, overrides: dict | None = None, repo: Path = REPO) ->
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
-    env.update({"PYTHONPATH": str(repo), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
-                "SERVING_DEFAULT_MODEL_DIR": str(model), "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
-                "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-                "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
-                # vLLM's own prefix cache off: a shared prefix must come from our tiers
-                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"})
+    env.update(
+        {
+            "PYTHONPATH": str(repo),
+            "SAGEMAKER_BIND_TO_PORT": str(port),
+            "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
+            "SERVING_DEFAULT_MODEL_DIR": str(model),
+            "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
+            "KVCACHE_DRAM_PATH": str(tmp / "dram"),
+            "KVCACHE_DISK_PATH": str(tmp / "disk"),
+            "KVCACHE_DRAM_SIZE": "64MiB",
+            "KVCACHE_DISK_SIZE": "1GiB",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "SM_VLLM_MAX_MODEL_LEN": "4096",
+            "SM_VLLM_ENFORCE_EAGER": "true",
+            # vLLM's own prefix cache off: a shared prefix must come from our tiers
+            "SM_VLLM_ENABLE_PREFIX_CACHING": "false",
+        }
+    )
     env.update(overrides or {})
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=repo, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving"],
+        cwd=repo,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -163,17 +182,25 @@ def summarize(samples: list, resources: list, hits: dict, args) -> dict:
     for _, shape, status, dt in samples:
         if status == 200:
             by_shape[shape].append(dt)
-    latency = {shape: {"n": len(v), "p50_ms": 1000 * statistics.median(v), "p99_ms": 1000 * percentile(v, 0.99)}
-               for shape, v in sorted(by_shape.items())}
+    latency = {
+        shape: {"n": len(v), "p50_ms": 1000 * statistics.median(v), "p99_ms": 1000 * percentile(v, 0.99)}
+        for shape, v in sorted(by_shape.items())
+    }
     after = [r for r in resources if r["t"] >= WARMUP_S]
     rss = [r["rss_mib"] for r in after]
-    return {"clients": args.clients, "minutes": args.minutes, "requests": len(samples),
-            "statuses": dict(statuses), "errors": sum(n for s, n in statuses.items() if not s.startswith(("2", "4"))),
-            "latency": latency, "tier_hits": hits,
-            "rss_mib_after_warmup": {"first": rss[0], "last": rss[-1], "min": min(rss), "max": max(rss)} if rss else {},
-            "fds": [resources[0]["fds"], resources[-1]["fds"]] if resources else [],
-            "threads": [resources[0]["threads"], resources[-1]["threads"]] if resources else [],
-            "resources": resources}
+    return {
+        "clients": args.clients,
+        "minutes": args.minutes,
+        "requests": len(samples),
+        "statuses": dict(statuses),
+        "errors": sum(n for s, n in statuses.items() if not s.startswith(("2", "4"))),
+        "latency": latency,
+        "tier_hits": hits,
+        "rss_mib_after_warmup": {"first": rss[0], "last": rss[-1], "min": min(rss), "max": max(rss)} if rss else {},
+        "fds": [resources[0]["fds"], resources[-1]["fds"]] if resources else [],
+        "threads": [resources[0]["threads"], resources[-1]["threads"]] if resources else [],
+        "resources": resources,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -197,17 +224,25 @@ def plot(result: dict, path: Path) -> None:
 
 
 def report(result: dict) -> str:
-    lines = [f"# Soak: {result['clients']} clients x {result['minutes']} min",
-             "", f"{result['requests']:,} requests; statuses {result['statuses']}; errors (5xx, transport): "
-                 f"{result['errors']}", "", "| shape | n | p50 ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
+    lines = [
+        f"# Soak: {result['clients']} clients x {result['minutes']} min",
+        "",
+        f"{result['requests']:,} requests; statuses {result['statuses']}; errors (5xx, transport): {result['errors']}",
+        "",
+        "| shape | n | p50 ms | p99 ms |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for shape, v in result["latency"].items():
         lines.append(f"| {shape} | {v['n']:,} | {v['p50_ms']:.0f} | {v['p99_ms']:.0f} |")
     rss = result["rss_mib_after_warmup"]
     if rss:
-        lines += ["", f"Server process tree after {WARMUP_S:.0f} s of warm-up: RSS {rss['first']:.0f} -> "
-                      f"{rss['last']:.0f} MiB (min {rss['min']:.0f}, max {rss['max']:.0f}); open fds "
-                      f"{result['fds'][0]} -> {result['fds'][1]}; threads {result['threads'][0]} -> "
-                      f"{result['threads'][1]} (whole run). Plot: soak.png."]
+        lines += [
+            "",
+            f"Server process tree after {WARMUP_S:.0f} s of warm-up: RSS {rss['first']:.0f} -> "
+            f"{rss['last']:.0f} MiB (min {rss['min']:.0f}, max {rss['max']:.0f}); open fds "
+            f"{result['fds'][0]} -> {result['fds'][1]}; threads {result['threads'][0]} -> "
+            f"{result['threads'][1]} (whole run). Plot: soak.png.",
+        ]
     lines += ["", "Tier counters at the end (`/metrics`):", ""]
     lines += [f"- {k}: {v:,.0f}" for k, v in sorted(result["tier_hits"].items())]
     return "\n".join(lines) + "\n"

@@ -49,8 +49,14 @@ def main() -> None:
     from cache.vllm.worker import WorkerSide
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as disk:
-        cfg = build_cache_config({"KVCACHE_DRAM_PATH": shm, "KVCACHE_DRAM_SIZE": "2GiB",
-                                  "KVCACHE_DISK_PATH": disk, "KVCACHE_DISK_SIZE": "8GiB"})
+        cfg = build_cache_config(
+            {
+                "KVCACHE_DRAM_PATH": shm,
+                "KVCACHE_DRAM_SIZE": "2GiB",
+                "KVCACHE_DISK_PATH": disk,
+                "KVCACHE_DISK_SIZE": "8GiB",
+            }
+        )
         ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=cfg.chunk_tokens)
         side = WorkerSide(cfg, ns, num_blocks=64, block_size=128)
         side.register_kv_caches({f"layer.{i}": torch.zeros(64, 2, 128, 2, 64, dtype=torch.bfloat16) for i in range(4)})
@@ -70,21 +76,36 @@ def main() -> None:
         side.shutdown()
 
         manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(64)),))
-        sched = SchedulerSide(cfg, [ns], 128, lambda: manager, bytes_per_block=128 * 2048,
-                              curves=tier_curves(cfg, cfg.chunk_tokens * 2048))
+        sched = SchedulerSide(
+            cfg,
+            [ns],
+            128,
+            lambda: manager,
+            bytes_per_block=128 * 2048,
+            curves=tier_curves(cfg, cfg.chunk_tokens * 2048),
+        )
         rng = np.random.default_rng(0)
         count = iter(range(10**9))
 
         def lookup() -> None:
             toks = [int(t) for t in rng.integers(0, 250, 3000)]
-            req = SimpleNamespace(request_id=f"r{next(count)}", prompt_token_ids=toks, all_token_ids=toks,
-                                  lora_request=None, mm_features=None, prompt_embeds=None,
-                                  kv_transfer_params=None, cache_salt=None)
+            req = SimpleNamespace(
+                request_id=f"r{next(count)}",
+                prompt_token_ids=toks,
+                all_token_ids=toks,
+                lora_request=None,
+                mm_features=None,
+                prompt_embeds=None,
+                kv_transfer_params=None,
+                cache_salt=None,
+            )
             sched.get_num_new_matched_tokens(req, 2048)
 
         lo, med = _timed(lookup, 20)
-        print(f"scheduler lookup of a new 3,000-token request (2,048 in L0): min {lo / 1e3:.2f} ms, "
-              f"median {med / 1e3:.2f} ms (random token ids drawn included)")
+        print(
+            f"scheduler lookup of a new 3,000-token request (2,048 in L0): min {lo / 1e3:.2f} ms, "
+            f"median {med / 1e3:.2f} ms (random token ids drawn included)"
+        )
 
 
 if __name__ == "__main__":

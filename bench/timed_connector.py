@@ -62,9 +62,18 @@ class TimedTieredKVConnector(TieredKVConnector):
                 _emit(self._log, event="io_get", read_ms=t.read * 1e3, decode_ms=t.decode * 1e3)
                 t.read = t.decode = 0.0
         elif step == "load":
-            _emit(self._log, event="load", req=details["req"], asynchronous=details["asynchronous"],
-                  chunks=details["chunks"], total_ms=seconds * 1e3, read_ms=t.read * 1e3,
-                  decode_ms=t.decode * 1e3, scatter_ms=t.scatter * 1e3, failed=details["failed"])
+            _emit(
+                self._log,
+                event="load",
+                req=details["req"],
+                asynchronous=details["asynchronous"],
+                chunks=details["chunks"],
+                total_ms=seconds * 1e3,
+                read_ms=t.read * 1e3,
+                decode_ms=t.decode * 1e3,
+                scatter_ms=t.scatter * 1e3,
+                failed=details["failed"],
+            )
             t.read = t.decode = t.scatter = 0.0
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -90,8 +99,15 @@ class TimedTieredKVConnector(TieredKVConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         t = time.perf_counter()
         n, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        _emit(self._log, event="lookup", req=request.request_id, ms=(time.perf_counter() - t) * 1e3,
-              tokens=n, asynchronous=asynchronous, prompt=len(request.prompt_token_ids or []))
+        _emit(
+            self._log,
+            event="lookup",
+            req=request.request_id,
+            ms=(time.perf_counter() - t) * 1e3,
+            tokens=n,
+            asynchronous=asynchronous,
+            prompt=len(request.prompt_token_ids or []),
+        )
         if asynchronous:
             self._async_since[request.request_id] = time.perf_counter()
         return n, asynchronous
@@ -100,6 +116,10 @@ class TimedTieredKVConnector(TieredKVConnector):
         for req in scheduler_output.scheduled_new_reqs:
             since = self._async_since.pop(req.req_id, None)
             if since is not None:
-                _emit(self._log, event="scheduled_after_async_load", req=req.req_id,
-                      ms=(time.perf_counter() - since) * 1e3)
+                _emit(
+                    self._log,
+                    event="scheduled_after_async_load",
+                    req=req.req_id,
+                    ms=(time.perf_counter() - since) * 1e3,
+                )
         return super().build_connector_meta(scheduler_output)

@@ -97,23 +97,29 @@ def main() -> None:
         if op == "ttft":
             params = first
             if cmd.get("kv_transfer_params"):
-                params = SamplingParams(max_tokens=1, temperature=0,
-                                        extra_args={"kv_transfer_params": cmd["kv_transfer_params"]})
+                params = SamplingParams(
+                    max_tokens=1, temperature=0, extra_args={"kv_transfer_params": cmd["kv_transfer_params"]}
+                )
             t0 = time.perf_counter()
             out = llm.generate({"prompt_token_ids": cmd["prompt"]}, params, use_tqdm=False)[0]
             seconds = time.perf_counter() - t0
-            answer = {"seconds": seconds, "num_cached_tokens": out.num_cached_tokens,
-                      "kv_transfer_params": out.kv_transfer_params,
-                      "token_ids": list(out.outputs[0].token_ids)}
+            answer = {
+                "seconds": seconds,
+                "num_cached_tokens": out.num_cached_tokens,
+                "kv_transfer_params": out.kv_transfer_params,
+                "token_ids": list(out.outputs[0].token_ids),
+            }
         elif op == "batch":
             params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0, ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
-            answer = {"seconds": seconds,
-                      "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
-                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+            answer = {
+                "seconds": seconds,
+                "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            }
         elif op == "metrics":
             answer = {"metrics": kvcache_samples()}
         else:
@@ -155,17 +161,23 @@ class EngineProcess:
     """Parent side: starts ``python -m bench.ttft_engine`` in its own process group and
     sends it commands. ``close`` ends the group (engine core and workers included)."""
 
-    def __init__(self, spec: dict, log_path: str, env: Optional[dict] = None,
-                 wait: bool = True, start_timeout: float = 600) -> None:
+    def __init__(
+        self, spec: dict, log_path: str, env: Optional[dict] = None, wait: bool = True, start_timeout: float = 600
+    ) -> None:
         self.log_path = log_path
         read_fd, write_fd = os.pipe()
         self._shm_before = _shm_segments()
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.ttft_engine", json.dumps(spec), str(write_fd)],
-            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
-            pass_fds=(write_fd,), cwd=REPO, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            cwd=REPO,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+        )
         os.close(write_fd)
         self._reply = os.fdopen(read_fd, "r")
         self.started = time.perf_counter()

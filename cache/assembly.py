@@ -40,14 +40,17 @@ def validate(config: CacheConfig) -> None:
     if config.policy not in POLICIES:
         raise ConfigError(f"KVCACHE_POLICY={config.policy!r} is unknown; choose one of {sorted(POLICIES)}")
     if config.shared_admission not in SharedAdmission.MODES:
-        raise ConfigError(f"KVCACHE_SHARED_ADMISSION={config.shared_admission!r} is unknown; choose one "
-                          f"of {', '.join(SharedAdmission.MODES)}")
+        raise ConfigError(
+            f"KVCACHE_SHARED_ADMISSION={config.shared_admission!r} is unknown; choose one "
+            f"of {', '.join(SharedAdmission.MODES)}"
+        )
     if config.shared_url:
         open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
 
 
-def build_tiers(config: CacheConfig, namespace_id: str,
-                thread_setup: Optional[Callable[[str], None]] = None) -> list[Tier]:
+def build_tiers(
+    config: CacheConfig, namespace_id: str, thread_setup: Optional[Callable[[str], None]] = None
+) -> list[Tier]:
     """The tiers ``config.tiers()`` names, in its order (fastest first, shared last);
     ``thread_setup(role)`` runs first on the threads of a tier that has its own."""
     tiers: list[Tier] = []
@@ -56,20 +59,36 @@ def build_tiers(config: CacheConfig, namespace_id: str,
             tiers.append(shared_tier(config, namespace_id, thread_setup))
         else:
             assert spec.capacity is not None  # (only the shared tier has none)
-            tiers.append(FileTier(spec.location, namespace_id, spec.capacity, spec.name,
-                                  use_mmap=spec.mapped, direct_reads=spec.direct_reads, medium=spec.id.medium))
+            tiers.append(
+                FileTier(
+                    spec.location,
+                    namespace_id,
+                    spec.capacity,
+                    spec.name,
+                    use_mmap=spec.mapped,
+                    direct_reads=spec.direct_reads,
+                    medium=spec.id.medium,
+                )
+            )
     return tiers
 
 
-def shared_tier(config: CacheConfig, namespace_id: str,
-                thread_setup: Optional[Callable[[str], None]] = None) -> SharedTier:
+def shared_tier(
+    config: CacheConfig, namespace_id: str, thread_setup: Optional[Callable[[str], None]] = None
+) -> SharedTier:
     """The shared tier ``config.shared_url`` names. Raises ``ConfigError`` for a URL whose
     filesystem is missing or unknown; never touches the network."""
     transport = open_transport(config.shared_url, config.curvine_conf, config.curvine_masters)
     pacer = Pacer(config.shared_bandwidth) if config.shared_bandwidth > 0 else None
-    return SharedTier(transport.opener, transport.root, namespace_id,
-                      timeout_s=config.shared_timeout_ms / 1000, label=config.shared_url, pacer=pacer,
-                      thread_setup=thread_setup)
+    return SharedTier(
+        transport.opener,
+        transport.root,
+        namespace_id,
+        timeout_s=config.shared_timeout_ms / 1000,
+        label=config.shared_url,
+        pacer=pacer,
+        thread_setup=thread_setup,
+    )
 
 
 def lookup_view(config: CacheConfig, namespace: Namespace) -> TieredStore:
@@ -77,20 +96,32 @@ def lookup_view(config: CacheConfig, namespace: Namespace) -> TieredStore:
     return TieredStore(build_tiers(config, namespace.id), namespace.digest)
 
 
-def writer_store(config: CacheConfig, namespace: Namespace, *,
-                 thread_setup: Optional[Callable[[str], None]] = None,
-                 timer: Optional[Callable[[str, float], None]] = None,
-                 on_event: Optional[Callable[[str, str, str], None]] = None) -> TieredStore:
+def writer_store(
+    config: CacheConfig,
+    namespace: Namespace,
+    *,
+    thread_setup: Optional[Callable[[str], None]] = None,
+    timer: Optional[Callable[[str, float], None]] = None,
+    on_event: Optional[Callable[[str, str, str], None]] = None,
+) -> TieredStore:
     """A store that reads and writes: one policy per local tier; upper tiers demote what
     they evict, so their policy takes every chunk, and the last local tier's evictions
     are final, so its policy also judges admission. Eviction passes over the pins of the
     last local tier's folder; ``on_event(key, event, tier)`` hears what happens to chunks."""
     specs = config.tiers()
     policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
-    return TieredStore(build_tiers(config, namespace.id, thread_setup), namespace.digest, policies,
-                       signing_key=config.signing_key.encode(), io_threads=config.io_threads,
-                       shared_admission=config.shared_admission, thread_setup=thread_setup, timer=timer,
-                       on_event=on_event, pins=pin_book(config, namespace.id))
+    return TieredStore(
+        build_tiers(config, namespace.id, thread_setup),
+        namespace.digest,
+        policies,
+        signing_key=config.signing_key.encode(),
+        io_threads=config.io_threads,
+        shared_admission=config.shared_admission,
+        thread_setup=thread_setup,
+        timer=timer,
+        on_event=on_event,
+        pins=pin_book(config, namespace.id),
+    )
 
 
 def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:
@@ -99,5 +130,4 @@ def pin_book(config: CacheConfig, namespace_id: str = "") -> Optional[PinBook]:
     last = [s for s in config.tiers() if s.last_local]
     if not last or last[0].capacity is None:
         return None
-    return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id,
-                   tenant_share=config.pin_tenant_max)
+    return PinBook(last[0].location, last[0].capacity, config.pin_max, namespace_id, tenant_share=config.pin_tenant_max)

@@ -84,8 +84,19 @@ def encode_header(
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     checksum = xxhash.xxh3_128_digest(view)
     flags = FLAG_SIGNED if signing_key else 0
-    args = [MAGIC, FORMAT_VERSION, flags, namespace, bytes.fromhex(key), bytes.fromhex(parent) if parent else NO_PARENT,
-            dtype.encode().ljust(16, b"\0"), len(shape), *dims, len(view), checksum]
+    args = [
+        MAGIC,
+        FORMAT_VERSION,
+        flags,
+        namespace,
+        bytes.fromhex(key),
+        bytes.fromhex(parent) if parent else NO_PARENT,
+        dtype.encode().ljust(16, b"\0"),
+        len(shape),
+        *dims,
+        len(view),
+        checksum,
+    ]
     unsigned = _FIELDS.pack(*args, b"\0" * 32)
     mac = _mac(signing_key, unsigned, view) if signing_key else b"\0" * 32
     fields = _FIELDS.pack(*args, mac)

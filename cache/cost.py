@@ -28,15 +28,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-WINDOW = 64            # samples a fit keeps
-HALF_LIFE_S = 300.0    # a sample's weight halves every this many seconds (the machine changes)
-SLACK = 1.5            # a load may run this much over its estimate before it is cut short
-DEADLINE_MARGIN_S = 0.1    # ... plus this much (a busy host delays threads by tens of ms)
+WINDOW = 64  # samples a fit keeps
+HALF_LIFE_S = 300.0  # a sample's weight halves every this many seconds (the machine changes)
+SLACK = 1.5  # a load may run this much over its estimate before it is cut short
+DEADLINE_MARGIN_S = 0.1  # ... plus this much (a busy host delays threads by tens of ms)
 ASYNC_ROUND_TRIP_S = 0.005  # an asynchronous load costs the request an engine step more
 # Loading everything found is the default (it also spares the engine compute that other
 # requests could use); a plan that loads less must be expected faster by both margins.
-MIN_GAIN = 0.05        # ... by this share of the full load's time to the first token
-MIN_GAIN_S = 0.005     # ... and by this many seconds
+MIN_GAIN = 0.05  # ... by this share of the full load's time to the first token
+MIN_GAIN_S = 0.005  # ... and by this many seconds
 
 
 class Fit:
@@ -182,9 +182,17 @@ def deadline(estimate: float, recompute: Optional[float]) -> float:
     return limit + DEADLINE_MARGIN_S
 
 
-def choose(chunks: Sequence[ChunkCost], n_tokens: int, computed: int, tiers: dict[str, TierRate],
-           prefill: PrefillRate, synchronous: set[str], inline: bool = False, whole: bool = False,
-           round_trip: float = ASYNC_ROUND_TRIP_S) -> Plan:
+def choose(
+    chunks: Sequence[ChunkCost],
+    n_tokens: int,
+    computed: int,
+    tiers: dict[str, TierRate],
+    prefill: PrefillRate,
+    synchronous: set[str],
+    inline: bool = False,
+    whole: bool = False,
+    round_trip: float = ASYNC_ROUND_TRIP_S,
+) -> Plan:
     """The fastest plan for a request of ``n_tokens`` whose first ``computed`` tokens are
     already in vLLM's blocks and whose next ``chunks`` were found in the tiers (their
     ``end`` at most ``n_tokens - 1``: the last token is always computed).

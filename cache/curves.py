@@ -54,9 +54,9 @@ from cache.policy.slots import fingerprint
 # Size multipliers and their label values (a fixed set: Prometheus labels).
 MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 SIZES = ("0.25", "0.5", "1", "2", "4", "8")
-SLOTS = 4096          # the largest miniature cache holds at most this many chunks ...
-MIN_SHIFT = 2         # ... and a tier's sample is at most 1 chunk in 2**MIN_SHIFT
-ADJUST_AFTER = 256    # sampled chunks before the SHARDS-adj correction applies in full
+SLOTS = 4096  # the largest miniature cache holds at most this many chunks ...
+MIN_SHIFT = 2  # ... and a tier's sample is at most 1 chunk in 2**MIN_SHIFT
+ADJUST_AFTER = 256  # sampled chunks before the SHARDS-adj correction applies in full
 KEY_SPACE = 1 << 62
 
 
@@ -96,8 +96,16 @@ def serve(policy: EvictionPolicy, keys: Sequence[Hashable], reserve: Callable[[]
 class TierCurve:
     """One tier's miniature caches, one per size of ``MULTIPLIERS``."""
 
-    def __init__(self, tier: str, capacity_chunks: int, policy: str, *, last_tier: bool = True,
-                 slots: int = SLOTS, min_shift: int = MIN_SHIFT) -> None:
+    def __init__(
+        self,
+        tier: str,
+        capacity_chunks: int,
+        policy: str,
+        *,
+        last_tier: bool = True,
+        slots: int = SLOTS,
+        min_shift: int = MIN_SHIFT,
+    ) -> None:
         if capacity_chunks < 1:
             raise ValueError(f"{tier}: a curve needs a capacity of at least one chunk")
         self.tier = tier
@@ -110,9 +118,9 @@ class TierCurve:
         self.caps = [max(1, round(m * capacity_chunks / (1 << shift))) for m in MULTIPLIERS]
         self.caches = [make_policy(policy, last_tier=last_tier) for _ in MULTIPLIERS]
         self._room = [self._room_for(c, cap) for c, cap in zip(self.caches, self.caps)]
-        self.all_tokens = 0                      # prompt tokens of every chunk
-        self.tokens = 0                          # ... of the sampled ones
-        self.sampled = 0                         # sampled chunk accesses
+        self.all_tokens = 0  # prompt tokens of every chunk
+        self.tokens = 0  # ... of the sampled ones
+        self.sampled = 0  # sampled chunk accesses
         self.hit_tokens = [0] * len(MULTIPLIERS)  # ... and of those, hits at each size
 
     @staticmethod
@@ -145,7 +153,7 @@ class TierCurve:
         any traffic)."""
         # SHARDS-adj: what the sample holds beyond its share, phased in as the sample grows
         excess = (self.tokens - self.all_tokens * self.rate) * min(1.0, self.sampled / ADJUST_AFTER)
-        base = self.tokens - excess   # the expected sampled tokens once phased in
+        base = self.tokens - excess  # the expected sampled tokens once phased in
         if base <= 0:
             return {size: 0.0 for size in SIZES}
         return {size: min(1.0, max(0.0, (h - excess) / base)) for size, h in zip(SIZES, self.hit_tokens)}
@@ -154,14 +162,23 @@ class TierCurve:
 class Curves:
     """Every sized tier's curve; ``observe`` once per request (when the scheduler forgets it)."""
 
-    def __init__(self, capacities: dict[str, int], policy: str, *, last_local: Optional[str] = None,
-                 slots: int = SLOTS, min_shift: int = MIN_SHIFT) -> None:
+    def __init__(
+        self,
+        capacities: dict[str, int],
+        policy: str,
+        *,
+        last_local: Optional[str] = None,
+        slots: int = SLOTS,
+        min_shift: int = MIN_SHIFT,
+    ) -> None:
         """``capacities``: chunks each tier holds at its configured size (tiers under
         one chunk are left out); ``last_local``: the tier whose policy also judges
         admission (the others take every chunk, as in the store; None: every tier)."""
-        self.tiers = [TierCurve(name, cap, policy, last_tier=last_local in (None, name),
-                                slots=slots, min_shift=min_shift)
-                      for name, cap in capacities.items() if cap >= 1]
+        self.tiers = [
+            TierCurve(name, cap, policy, last_tier=last_local in (None, name), slots=slots, min_shift=min_shift)
+            for name, cap in capacities.items()
+            if cap >= 1
+        ]
         self._reported: dict[str, int] = {}
 
     def observe(self, chunks: Sequence) -> None:

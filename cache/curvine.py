@@ -17,14 +17,15 @@ CURVINE_MASTER_PORT = 8995  # Curvine's default master RPC port
 _HOST_PORT = re.compile(r"([A-Za-z0-9._-]+)(?::(\d{1,5}))?")
 
 
-def curvine_client(conf: str, masters_text: str, url: str,
-                   base_dir: Optional[str]) -> tuple[str, tuple[str, ...]]:
+def curvine_client(conf: str, masters_text: str, url: str, base_dir: Optional[str]) -> tuple[str, tuple[str, ...]]:
     """``KVCACHE_CURVINE_CONF`` (``conf``: absolute; a relative path is inside the model
     folder, ``base_dir``/model, ``SAGEMAKER_BASE_DIR``'s) and ``KVCACHE_CURVINE_MASTERS``
     (``masters_text``: ``host:port`` each), checked for the shared tier's ``url``."""
     if conf and masters_text:
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} and KVCACHE_CURVINE_MASTERS={masters_text!r} "
-                          "are both set; give the Curvine client one of them")
+        raise ConfigError(
+            f"KVCACHE_CURVINE_CONF={conf!r} and KVCACHE_CURVINE_MASTERS={masters_text!r} "
+            "are both set; give the Curvine client one of them"
+        )
     masters = []
     for item in filter(None, (m.strip() for m in masters_text.split(","))):
         m = _HOST_PORT.fullmatch(item)
@@ -35,6 +36,7 @@ def curvine_client(conf: str, masters_text: str, url: str,
     if conf and not os.path.isabs(conf):
         conf = os.path.join(base_dir or "/opt/ml", "model", conf)
     if conf and url.startswith("curvine://") and not os.path.isfile(conf):
-        raise ConfigError(f"KVCACHE_CURVINE_CONF={conf!r} is not a file (a relative path is read "
-                          "inside the model folder)")
+        raise ConfigError(
+            f"KVCACHE_CURVINE_CONF={conf!r} is not a file (a relative path is read inside the model folder)"
+        )
     return conf, tuple(masters)

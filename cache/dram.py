@@ -21,16 +21,17 @@ from cache.sizes import check_writable, human_bytes, memory_folders, parse_size,
 
 GiB = 1 << 30
 DEFAULT_DRAM_PATH = "/dev/shm/kvcache"
-DRAM_SHARE = 0.20          # default L1 size: share of the RAM the container may use ...
-DRAM_MARGIN = 4 * GiB      # ... leaving this much (server, tokenizer, Python heaps) beyond
-                           # the model weights, vLLM's CPU KV pool and the workers' staging memory
+DRAM_SHARE = 0.20  # default L1 size: share of the RAM the container may use ...
+DRAM_MARGIN = 4 * GiB  # ... leaving this much (server, tokenizer, Python heaps) beyond
+# the model weights, vLLM's CPU KV pool and the workers' staging memory
 WRITE_BEHIND_BYTES = 1 << 30  # saves queued per worker at most (cache.store's max_pending_bytes)
-STAGING_CHUNKS = 64           # default staging memory per worker: this many chunks of the model,
-                              # at most WRITE_BEHIND_BYTES (that, when the model is not known)
+STAGING_CHUNKS = 64  # default staging memory per worker: this many chunks of the model,
+# at most WRITE_BEHIND_BYTES (that, when the model is not known)
 
 
-def dram_tier(text: Optional[str], given_path: Optional[str], ram: int, reserved: int, entry: Optional[int],
-              notes: list[str]) -> tuple[str, int]:
+def dram_tier(
+    text: Optional[str], given_path: Optional[str], ram: int, reserved: int, entry: Optional[int], notes: list[str]
+) -> tuple[str, int]:
     """The DRAM tier's folder and bytes. Wanted: ``KVCACHE_DRAM_SIZE`` (bytes, or a share
     of the RAM), else ``DRAM_SHARE`` of the RAM less what the reserved RAM and
     ``DRAM_MARGIN`` need. A folder that cannot hold that is never taken silently: without
@@ -44,8 +45,10 @@ def dram_tier(text: Optional[str], given_path: Optional[str], ram: int, reserved
             return path, 0  # off: its folder is never touched
         want = parse_size(text, ram, name)
         if want > ram:
-            raise ConfigError(f"{name}={text} ({want:,} bytes) is above the memory this container may use "
-                              f"({ram:,} bytes); lower it or give a percentage such as 20%")
+            raise ConfigError(
+                f"{name}={text} ({want:,} bytes) is above the memory this container may use "
+                f"({ram:,} bytes); lower it or give a percentage such as 20%"
+            )
     else:
         share = int(ram * DRAM_SHARE)
         want = min(share, max(0, ram - reserved - DRAM_MARGIN))
@@ -56,23 +59,33 @@ def dram_tier(text: Optional[str], given_path: Optional[str], ram: int, reserved
     if room < want and not given_path:
         other = _roomier_memory_folder(want)
         if other is not None:
-            notes.append(f"WARNING: the DRAM tier wants {human_bytes(want)} but {path}'s filesystem has "
-                         f"{human_bytes(room)} free; using {other[1]} (tmpfs, {human_bytes(other[0])} free) "
-                         "instead; set KVCACHE_DRAM_PATH to choose")
+            notes.append(
+                f"WARNING: the DRAM tier wants {human_bytes(want)} but {path}'s filesystem has "
+                f"{human_bytes(room)} free; using {other[1]} (tmpfs, {human_bytes(other[0])} free) "
+                "instead; set KVCACHE_DRAM_PATH to choose"
+            )
             room, path = other
     if room < want:
-        fix = ("give the container more shared memory (docker run --shm-size; on Kubernetes an emptyDir "
-               "with medium: Memory mounted at /dev/shm) or point KVCACHE_DRAM_PATH at a larger tmpfs")
+        fix = (
+            "give the container more shared memory (docker run --shm-size; on Kubernetes an emptyDir "
+            "with medium: Memory mounted at /dev/shm) or point KVCACHE_DRAM_PATH at a larger tmpfs"
+        )
         if text is not None and not text.strip().endswith("%"):
-            raise ConfigError(f"{name}={text} ({want:,} bytes) is above the free space under {path!r} "
-                              f"({room:,} bytes); lower it, or {fix}")
+            raise ConfigError(
+                f"{name}={text} ({want:,} bytes) is above the free space under {path!r} "
+                f"({room:,} bytes); lower it, or {fix}"
+            )
         shown = f"{name}={text}" if text is not None else "the DRAM tier"
-        notes.append(f"WARNING: {shown} wants {human_bytes(want)} but {path}'s filesystem has only "
-                     f"{human_bytes(room)} free: the tier is capped there; {fix}")
+        notes.append(
+            f"WARNING: {shown} wants {human_bytes(want)} but {path}'s filesystem has only "
+            f"{human_bytes(room)} free: the tier is capped there; {fix}"
+        )
         want = room if text is None else parse_size(text, min(room, ram), name)
     if entry is not None and 0 < want < entry:
-        notes.append(f"WARNING: DRAM tier off: {human_bytes(want)} at {path} cannot hold one chunk of this "
-                     f"model ({human_bytes(entry)}); chunks go to the disk tier")
+        notes.append(
+            f"WARNING: DRAM tier off: {human_bytes(want)} at {path} cannot hold one chunk of this "
+            f"model ({human_bytes(entry)}); chunks go to the disk tier"
+        )
         return path, 0
     return path, want
 
@@ -106,6 +119,8 @@ def staging_bytes(text: Optional[str], entry: Optional[int], notes: list[str]) -
     if nbytes <= 0:
         raise ConfigError(f"{name}={text!r} must be above 0: every save and GPU load is copied through it")
     if entry and nbytes < entry:
-        notes.append(f"WARNING: {name}={text} holds less than one chunk of this model ({entry:,} bytes "
-                     "on one GPU): each worker stages one chunk at a time, and skips saves meanwhile")
+        notes.append(
+            f"WARNING: {name}={text} holds less than one chunk of this model ({entry:,} bytes "
+            "on one GPU): each worker stages one chunk at a time, and skips saves meanwhile"
+        )
     return nbytes

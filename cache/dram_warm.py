@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WARM = ("held", "copied")   # copy_up outcomes that leave the entry in DRAM
+WARM = ("held", "copied")  # copy_up outcomes that leave the entry in DRAM
 
 
 @dataclass
@@ -52,21 +52,27 @@ class SetProgress:
 
     planned: int = 0
     warm: int = 0
-    copied: int = 0      # of the warm ones, copied by this warm-up
-    bytes: int = 0       # bytes of the warm ones
-    absent: int = 0      # no tier holds a sound entry
-    skipped: int = 0     # passed over: its prefix is not warm, or over the budget or capacity
+    copied: int = 0  # of the warm ones, copied by this warm-up
+    bytes: int = 0  # bytes of the warm ones
+    absent: int = 0  # no tier holds a sound entry
+    skipped: int = 0  # passed over: its prefix is not warm, or over the budget or capacity
 
 
 class DramWarm:
     """One warm-up of a worker's DRAM tier (``start`` once; ``status``, ``stop`` any time)."""
 
-    def __init__(self, store: TieredStore, chain: bytes, chunk_tokens: int,
-                 setup: Optional[Callable[[], None]] = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        chain: bytes,
+        chunk_tokens: int,
+        setup: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """``chain``: the namespace's chain digest (``Namespace.chain_digest``); ``setup``
         runs first on the warm-up's thread (``cache.threads``)."""
         self.store, self.chain, self.chunk_tokens, self.setup, self.clock = store, chain, chunk_tokens, setup, clock
-        self.state = "idle"   # warming, done, stopped, failed
+        self.state = "idle"  # warming, done, stopped, failed
         self.prompts, self.hot = SetProgress(), SetProgress()
         self.budget = self.notes = 0
         self.error = ""
@@ -80,8 +86,7 @@ class DramWarm:
         if self._thread is not None:
             return
         self.state, self._started = "warming", time.monotonic()
-        self._thread = threading.Thread(target=self.run, args=(prompts, budget), daemon=True,
-                                        name="kvcache-dram-warm")
+        self._thread = threading.Thread(target=self.run, args=(prompts, budget), daemon=True, name="kvcache-dram-warm")
         self._thread.start()
 
     def stop(self) -> None:
@@ -94,9 +99,15 @@ class DramWarm:
 
     def status(self) -> dict:
         end = self._ended or time.monotonic()
-        return {"state": self.state, "budget": self.budget, "notes": self.notes, "error": self.error,
-                "seconds": round(end - self._started, 3) if self._started else 0.0,
-                "prompts": asdict(self.prompts), "hot": asdict(self.hot)}
+        return {
+            "state": self.state,
+            "budget": self.budget,
+            "notes": self.notes,
+            "error": self.error,
+            "seconds": round(end - self._started, 3) if self._started else 0.0,
+            "prompts": asdict(self.prompts),
+            "hot": asdict(self.hot),
+        }
 
     # -- the warm-up (its own thread) ------------------------------------------------
     def run(self, prompts: Sequence[Sequence[int]], budget: int) -> None:
@@ -142,8 +153,8 @@ class DramWarm:
                 if self._count(p, outcome, nbytes):
                     warm.add(key)
                     continue
-                p.skipped += len(set(chain[i + 1:]) - seen)
-                seen.update(chain[i + 1:])
+                p.skipped += len(set(chain[i + 1 :]) - seen)
+                seen.update(chain[i + 1 :])
                 break
         return warm
 

@@ -27,8 +27,9 @@ class CopyQueue:
     ``submit(fn)`` queues ``fn`` on the writer thread (raises ``RuntimeError`` once the
     store is closed); ``copy(key)`` copies one key down (on that thread)."""
 
-    def __init__(self, max_keys: int, submit: Callable[[Callable[[], None]], object],
-                 copy: Callable[[str], None]) -> None:
+    def __init__(
+        self, max_keys: int, submit: Callable[[Callable[[], None]], object], copy: Callable[[str], None]
+    ) -> None:
         self._max = max_keys
         self._submit = submit
         self._copy = copy

@@ -47,34 +47,34 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from cache.keys import chunk_keys
 
-SOURCES = ("vllm", "dram", "disk", "shared")   # where loaded KV came from
-CAUSES = {                                      # why KV was computed instead
+SOURCES = ("vllm", "dram", "disk", "shared")  # where loaded KV came from
+CAUSES = {  # why KV was computed instead
     "never_stored": "no record of these tokens here: never stored since this engine started "
-                    "(or forgotten, beyond the record's horizon)",
+    "(or forgotten, beyond the record's horizon)",
     "evicted": "removed by the tier's eviction policy (or by another process sharing the folder)",
     "not_admitted": "not stored: the tier's admission policy refused it, it did not fit the tier, its "
-                    "save was dropped (queue or staging memory full), or the request said kvcache_save: false",
+    "save was dropped (queue or staging memory full), or the request said kvcache_save: false",
     "other_namespace": "the same tokens are stored under another cache_salt or LoRA adapter (counted "
-                       "on /metrics only: the request itself is told never_stored)",
+    "on /metrics only: the request itself is told never_stored)",
     "damaged": "the entry failed its checks (header, checksum, size, layout) and was dropped",
     "unsigned": "the entry was unsigned or signed with another KVCACHE_SIGNING_KEY",
     "writing": "its save was still being written (write-behind, or a publish to the shared tier)",
     "load_timeout": "its load from the shared tier ran past KVCACHE_SHARED_TIMEOUT_MS",
     "shared_unreachable": "the shared tier was down or failed the call (a publish past its "
-                          "deadline too: it is abandoned)",
+    "deadline too: it is abandoned)",
     "recompute": "chosen to recompute: the request said kvcache_load: false, or asked for "
-                 "prompt_logprobs (vLLM then reads no cached KV), or loading was judged slower than computing",
+    "prompt_logprobs (vLLM then reads no cached KV), or loading was judged slower than computing",
     "after_miss": "stored, but an earlier chunk of the prompt was not: KV loads only as a prefix",
 }
-NO_TIER = "none"      # a cause that concerns no one tier
-STORED = "stored"     # a worker event that is no cause: the chunk is on that tier
-PUBLISHING = "publishing"   # queued for the shared tier (explained as "writing")
-MISSING = "missing"   # a load found the chunk on no tier (explained as "evicted")
-SERVED = "served"     # a load was served by this tier, not the one planned (a worker event)
-MAX_RECORDS = 32768   # chunk keys remembered, per record (256-token chunks: 8M tokens)
-REJECTED = ("damaged", "unsigned")   # a tier found the entry bad and dropped it
-SHARED_FAILED = ("shared_unreachable", "load_timeout", MISSING)   # a fallback read came to nothing
-HIDDEN = {"other_namespace": "never_stored"}   # counted as the key, shown to the request as the value
+NO_TIER = "none"  # a cause that concerns no one tier
+STORED = "stored"  # a worker event that is no cause: the chunk is on that tier
+PUBLISHING = "publishing"  # queued for the shared tier (explained as "writing")
+MISSING = "missing"  # a load found the chunk on no tier (explained as "evicted")
+SERVED = "served"  # a load was served by this tier, not the one planned (a worker event)
+MAX_RECORDS = 32768  # chunk keys remembered, per record (256-token chunks: 8M tokens)
+REJECTED = ("damaged", "unsigned")  # a tier found the entry bad and dropped it
+SHARED_FAILED = ("shared_unreachable", "load_timeout", MISSING)  # a fallback read came to nothing
+HIDDEN = {"other_namespace": "never_stored"}  # counted as the key, shown to the request as the value
 
 
 class Bounded(OrderedDict):
@@ -98,7 +98,7 @@ class Fates:
     back to answered next)."""
 
     def __init__(self, limit: int = MAX_RECORDS) -> None:
-        self.last = Bounded(limit)   # key -> ((event, tier), ...): one per tier, latest last
+        self.last = Bounded(limit)  # key -> ((event, tier), ...): one per tier, latest last
 
     def apply(self, events: Iterable[tuple[str, str, str]]) -> None:
         """``(key, event, tier)`` in the order a worker saw them. ``missing`` (a load found
@@ -141,19 +141,19 @@ def salt_tag(salt: str) -> str:
 class Lookup:
     """What the scheduler learnt about one request at its last lookup."""
 
-    tokens: int                               # prompt length
-    l0: int                                   # tokens vLLM's own prefix cache held
-    chunks: list[tuple[str, int, int]]        # (key, start, end) of each chunk
-    found: list[str]                          # tier name of each leading chunk present
-    misses: list[tuple[str, str]]             # (cause, tier) of each chunk after those
-    tag: str = ""                             # salt_tag of the request's salt
+    tokens: int  # prompt length
+    l0: int  # tokens vLLM's own prefix cache held
+    chunks: list[tuple[str, int, int]]  # (key, start, end) of each chunk
+    found: list[str]  # tier name of each leading chunk present
+    misses: list[tuple[str, str]]  # (cause, tier) of each chunk after those
+    tag: str = ""  # salt_tag of the request's salt
     plain: list[str] = field(default_factory=list)  # salt-free keys (salted requests)
-    save: bool = True                         # the request lets its chunks be stored
-    failed: Optional[str] = None              # first chunk whose load failed
+    save: bool = True  # the request lets its chunks be stored
+    failed: Optional[str] = None  # first chunk whose load failed
     failure: tuple[str, str] = ("evicted", NO_TIER)  # why it failed: (cause, tier)
-    recompute_from: Optional[int] = None      # first chunk chosen to recompute
-    seen: int = 0                             # SERVED events received before this lookup
-    moved: bool = False                       # a chunk was served by another tier than found
+    recompute_from: Optional[int] = None  # first chunk chosen to recompute
+    seen: int = 0  # SERVED events received before this lookup
+    moved: bool = False  # a chunk was served by another tier than found
 
 
 class Explainer:
@@ -163,16 +163,22 @@ class Explainer:
     ``shared_up()``: whether the scheduler's view of the shared tier is up (memory only).
     """
 
-    def __init__(self, chain: bytes, chunk_tokens: int, top_tier: str,
-                 shared_up: Callable[[], bool] = lambda: True, limit: int = MAX_RECORDS) -> None:
+    def __init__(
+        self,
+        chain: bytes,
+        chunk_tokens: int,
+        top_tier: str,
+        shared_up: Callable[[], bool] = lambda: True,
+        limit: int = MAX_RECORDS,
+    ) -> None:
         self.chain, self.chunk = chain, chunk_tokens
         self.top_tier = top_tier
         self.shared_up = shared_up
         self.fates = Fates(limit)
-        self.salts = Bounded(limit)               # salt-free key -> salt tag that stored it
-        self.served = Bounded(limit)              # key -> (SERVED event number, tier) of its last one
+        self.salts = Bounded(limit)  # salt-free key -> salt tag that stored it
+        self.served = Bounded(limit)  # key -> (SERVED event number, tier) of its last one
         self.served_events = 0
-        self.missed: Counter = Counter()          # (cause, tier) -> tokens, since take_counts
+        self.missed: Counter = Counter()  # (cause, tier) -> tokens, since take_counts
 
     # -- what happens to chunks -------------------------------------------------------
     def worker_events(self, events: Sequence[tuple[str, str, str]]) -> None:
@@ -182,9 +188,17 @@ class Explainer:
         self.fates.apply(e for e in events if e[1] != SERVED)
 
     # -- one request ------------------------------------------------------------------
-    def looked_up(self, tokens: Sequence[int], l0: int, chunks: list[tuple[str, int, int]],
-                  found: list[str], saving, salt: str = "", load: bool = True,
-                  save: bool = True) -> Lookup:
+    def looked_up(
+        self,
+        tokens: Sequence[int],
+        l0: int,
+        chunks: list[tuple[str, int, int]],
+        found: list[str],
+        saving,
+        salt: str = "",
+        load: bool = True,
+        save: bool = True,
+    ) -> Lookup:
         """Record a lookup: ``found`` names the tier of each leading chunk present,
         ``saving`` holds the keys whose saves are in flight, ``load`` False when the
         request asked not to load (everything beyond ``l0`` is then recomputed)."""
@@ -192,8 +206,7 @@ class Explainer:
         if salt and chunks:
             tail = chunks[-1][2] - chunks[-1][1] if chunks[-1][2] - chunks[-1][1] < self.chunk else 0
             plain = chunk_keys(self.chain, tokens[: chunks[-1][2]], self.chunk, tail_tokens=tail)
-        look = Lookup(len(tokens), l0, chunks, list(found), [], salt_tag(salt), plain, save,
-                      seen=self.served_events)
+        look = Lookup(len(tokens), l0, chunks, list(found), [], salt_tag(salt), plain, save, seen=self.served_events)
         if not load:
             look.found, look.recompute_from = [], 0
             look.misses = [("recompute", NO_TIER)] * len(chunks)
@@ -247,7 +260,7 @@ class Explainer:
         usable = look.tokens - 1
         ranges: list[list] = []
 
-        hidden: Counter = Counter()   # tokens per cause the request is not told (HIDDEN)
+        hidden: Counter = Counter()  # tokens per cause the request is not told (HIDDEN)
 
         def add(start: int, end: int, what: str, tier: str, source: bool) -> None:
             start, end = max(start, 0), min(end, usable)
@@ -270,7 +283,7 @@ class Explainer:
                 add(start, end, self._source(look, i), NO_TIER, True)
             elif i < len(look.found) and look.recompute_from is not None and i >= look.recompute_from:
                 add(start, end, "recompute", NO_TIER, False)
-            elif i < len(look.found):   # its load failed, or an earlier one did
+            elif i < len(look.found):  # its load failed, or an earlier one did
                 add(start, end, *(look.failure if i == failed_at else ("after_miss", NO_TIER)), False)
             else:
                 add(start, end, *look.misses[i - len(look.found)], False)
@@ -305,7 +318,7 @@ class Explainer:
             return on_planned, planned
         fate = self.fates.get(key)
         if fate is None or fate[0] in (STORED, MISSING, PUBLISHING):
-            return "evicted", planned   # gone between the lookup and the load
+            return "evicted", planned  # gone between the lookup and the load
         return fate[0], fate[1] if fate[1] != NO_TIER else planned
 
     def _remember(self, look: Lookup) -> None:

@@ -85,8 +85,8 @@ class WriteFaults:
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._counts: Counter = Counter()          # (tier, cause) -> failures
-        self._episodes: dict[str, _Episode] = {}   # tier -> its current failure episode
+        self._counts: Counter = Counter()  # (tier, cause) -> failures
+        self._episodes: dict[str, _Episode] = {}  # tier -> its current failure episode
 
     def failed(self, tier: str, exc: BaseException) -> str:
         """Count a failed write to ``tier``; the first of an episode (and the first of each
@@ -103,9 +103,16 @@ class WriteFaults:
             new_cause = cause not in episode.causes
             episode.causes[cause] += 1
         if new_cause:
-            log.warning("kvcache: writes to the %s tier %s (%s: %s); its new entries are dropped "
-                        "until a write succeeds again (kvcache:tier_write_failures_total{tier=%r,cause=%r})",
-                        tier, "are failing" if first else "also fail", _TEXT.get(cause, cause), exc, tier, cause)
+            log.warning(
+                "kvcache: writes to the %s tier %s (%s: %s); its new entries are dropped "
+                "until a write succeeds again (kvcache:tier_write_failures_total{tier=%r,cause=%r})",
+                tier,
+                "are failing" if first else "also fail",
+                _TEXT.get(cause, cause),
+                exc,
+                tier,
+                cause,
+            )
         return cause
 
     def succeeded(self, tier: str) -> None:
@@ -116,8 +123,13 @@ class WriteFaults:
             episode = self._episodes.pop(tier, None)
         if episode is not None:
             causes = ", ".join(f"{c}: {n:,}" for c, n in episode.causes.most_common())
-            log.warning("kvcache: writes to the %s tier succeed again, after %s failed in %.0f s (%s)",
-                        tier, f"{sum(episode.causes.values()):,}", self._clock() - episode.since, causes)
+            log.warning(
+                "kvcache: writes to the %s tier succeed again, after %s failed in %.0f s (%s)",
+                tier,
+                f"{sum(episode.causes.values()):,}",
+                self._clock() - episode.since,
+                causes,
+            )
 
     def failing(self, tier: str) -> bool:
         """Whether ``tier`` is in a failure episode (its last write failed)."""

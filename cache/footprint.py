@@ -53,18 +53,18 @@ _DTYPE_BYTES = {
 @dataclass(frozen=True)
 class KVFootprint:
     model_type: str
-    attention: str      # "mha", "gqa", "mqa" or "mla"
-    layers: int         # layers keeping KV for every token (full attention)
-    kv_heads: int       # 1 for MLA (one latent per layer)
-    head_dim: int       # per KV head; for MLA kv_lora_rank + qk_rope_head_dim
-    tensors: int        # 2 (K and V) or 1 (MLA latent)
+    attention: str  # "mha", "gqa", "mqa" or "mla"
+    layers: int  # layers keeping KV for every token (full attention)
+    kv_heads: int  # 1 for MLA (one latent per layer)
+    head_dim: int  # per KV head; for MLA kv_lora_rank + qk_rope_head_dim
+    tensors: int  # 2 (K and V) or 1 (MLA latent)
     dtype: str
     dtype_bytes: int
     max_context: Optional[int] = None
-    window_layers: int = 0          # sliding-window layers: KV of their last ``window`` tokens
+    window_layers: int = 0  # sliding-window layers: KV of their last ``window`` tokens
     window: Optional[int] = None
-    state_layers: int = 0           # Mamba / linear-attention layers: a state per request
-    state_bytes: int = 0            # that state, all those layers together
+    state_layers: int = 0  # Mamba / linear-attention layers: a state per request
+    state_bytes: int = 0  # that state, all those layers together
 
     @property
     def layer_bytes_per_token(self) -> int:
@@ -109,15 +109,18 @@ class KVFootprint:
         if self.attention == "mla":
             shape = f"{self.layers} layers x {self.head_dim}-wide MLA latent"
         else:
-            shape = (f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} dims"
-                     f" x 2 (K,V)")
-        text = (f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
-                f"bytes ({self.dtype}) = {self.bytes_per_token:,} bytes "
-                f"({human_bytes(self.bytes_per_token)}) per token")
+            shape = f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} dims x 2 (K,V)"
+        text = (
+            f"{self.model_type} ({self.attention.upper()}): {shape} x {self.dtype_bytes} "
+            f"bytes ({self.dtype}) = {self.bytes_per_token:,} bytes "
+            f"({human_bytes(self.bytes_per_token)}) per token"
+        )
         if self.window_layers:
-            text += (f"; plus {self.window_layers} sliding-window layers: "
-                     f"{human_bytes(self.window_bytes_per_token)} per token of their "
-                     f"{self.window:,}-token window")
+            text += (
+                f"; plus {self.window_layers} sliding-window layers: "
+                f"{human_bytes(self.window_bytes_per_token)} per token of their "
+                f"{self.window:,}-token window"
+            )
         if self.state_layers:
             text += f"; plus {self.state_layers} Mamba/linear layers: {human_bytes(self.state_bytes)} of state"
         if self.hybrid:
@@ -172,8 +175,9 @@ def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = N
         rope = _first(cfg, "qk_rope_head_dim")
         if rope is None:
             raise FootprintError("MLA config has kv_lora_rank but no qk_rope_head_dim")
-        return KVFootprint(model_type, "mla", int(layers), 1, int(cfg["kv_lora_rank"]) + int(rope),
-                           1, dtype, nbytes, max_context)
+        return KVFootprint(
+            model_type, "mla", int(layers), 1, int(cfg["kv_lora_rank"]) + int(rope), 1, dtype, nbytes, max_context
+        )
 
     heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
     if not heads:
@@ -181,8 +185,7 @@ def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = N
     if cfg.get("multi_query") is True:  # Falcon-style multi-query
         kv_heads = 1
     else:
-        kv_heads = _first(cfg, "num_key_value_heads", "multi_query_group_num", "n_head_kv",
-                          "num_kv_heads") or heads
+        kv_heads = _first(cfg, "num_key_value_heads", "multi_query_group_num", "n_head_kv", "num_kv_heads") or heads
     head_dim = _first(cfg, "head_dim", "kv_channels")
     if head_dim is None:
         hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
@@ -191,9 +194,21 @@ def footprint_from_config(config: Mapping[str, Any], kv_dtype: Optional[str] = N
         head_dim = int(hidden) // int(heads)
     kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
     k = layer_kinds(cfg, int(layers))
-    return KVFootprint(model_type, kind, k.full, int(kv_heads), int(head_dim), 2, dtype,
-                       nbytes, max_context, k.window, k.window_tokens, k.state,
-                       k.state * k.state_values * nbytes)
+    return KVFootprint(
+        model_type,
+        kind,
+        k.full,
+        int(kv_heads),
+        int(head_dim),
+        2,
+        dtype,
+        nbytes,
+        max_context,
+        k.window,
+        k.window_tokens,
+        k.state,
+        k.state * k.state_values * nbytes,
+    )
 
 
 def load_hf_config(path: str | os.PathLike) -> dict:
@@ -217,7 +232,8 @@ def report(fp: KVFootprint, context: int, tiers: Mapping[str, int]) -> dict:
         "bytes_per_token": fp.bytes_per_token,
         "context_tokens": context,
         "bytes_per_request": fp.bytes_per_request(context),
-        "tiers": {name: {"bytes": n, "tokens": fp.tokens_in(n, context),
-                         "requests": fp.requests_in(n, context)}
-                  for name, n in tiers.items()},
+        "tiers": {
+            name: {"bytes": n, "tokens": fp.tokens_in(n, context), "requests": fp.requests_in(n, context)}
+            for name, n in tiers.items()
+        },
     }

@@ -29,12 +29,12 @@ _HASHED_AS = {"rank": "tp_rank", "world_size": "tp_size"}
 class Namespace:
     """What makes two caches' KV bytes interchangeable."""
 
-    model: str                 # model id or path as served
-    model_digest: str          # digest of the model's config (+ revision)
-    kv_dtype: str              # e.g. "bfloat16"
-    kv_layout: str             # per-block tensor shape as vLLM lays it out, e.g. "2x128x2x64"
-    rank: int = 0              # this worker's parallel rank (tensor x pipeline)
-    world_size: int = 1        # tensor-parallel size x pipeline-parallel size
+    model: str  # model id or path as served
+    model_digest: str  # digest of the model's config (+ revision)
+    kv_dtype: str  # e.g. "bfloat16"
+    kv_layout: str  # per-block tensor shape as vLLM lays it out, e.g. "2x128x2x64"
+    rank: int = 0  # this worker's parallel rank (tensor x pipeline)
+    world_size: int = 1  # tensor-parallel size x pipeline-parallel size
     chunk_tokens: int = 256
     format_version: int = FORMAT_VERSION
 
@@ -100,18 +100,17 @@ def chunk_keys(
     return keys
 
 
-def prompt_chunks(namespace_digest: bytes, tokens: Sequence[int], chunk_tokens: int,
-                  salt: str = "") -> list[tuple[str, int, int]]:
+def prompt_chunks(
+    namespace_digest: bytes, tokens: Sequence[int], chunk_tokens: int, salt: str = ""
+) -> list[tuple[str, int, int]]:
     """``(key, start, end)`` of each chunk of a prompt as the cache cuts it, for lookups and
     saves alike: its whole chunks, then one *tail* chunk holding the rest, unless the rest
     is a single token (it would load nothing: the last token is always computed)."""
     full, tail = divmod(len(tokens), chunk_tokens)
     if tail < 2:
         tail = 0
-    keys = chunk_keys(namespace_digest, tokens[: full * chunk_tokens + tail], chunk_tokens,
-                      tail_tokens=tail, salt=salt)
-    return [(k, i * chunk_tokens, min((i + 1) * chunk_tokens, full * chunk_tokens + tail))
-            for i, k in enumerate(keys)]
+    keys = chunk_keys(namespace_digest, tokens[: full * chunk_tokens + tail], chunk_tokens, tail_tokens=tail, salt=salt)
+    return [(k, i * chunk_tokens, min((i + 1) * chunk_tokens, full * chunk_tokens + tail)) for i, k in enumerate(keys)]
 
 
 def parent_of(keys: Sequence[str], i: int) -> Optional[str]:

@@ -32,11 +32,11 @@ STATE_TYPES = {"linear_attention", "mamba", "mamba2", "ssm", "linear"}
 
 @dataclass(frozen=True)
 class LayerKinds:
-    full: int                      # layers whose KV holds every token
-    window: int = 0                # layers whose KV holds their last ``window_tokens``
+    full: int  # layers whose KV holds every token
+    window: int = 0  # layers whose KV holds their last ``window_tokens``
     window_tokens: Optional[int] = None
-    state: int = 0                 # layers with a fixed state per request
-    state_values: int = 0          # values in one such layer's state
+    state: int = 0  # layers with a fixed state per request
+    state_values: int = 0  # values in one such layer's state
 
 
 def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -86,9 +86,13 @@ def layer_kinds(cfg: Mapping[str, Any], layers: int) -> LayerKinds:
         n_state = sum(t in STATE_TYPES for t in kinds)
         if model_type == "zamba2":  # "hybrid" layers are Mamba plus a shared attention block
             n_state = len(kinds)
-        return LayerKinds(full=sum(t not in STATE_TYPES for t in kinds) - n_window, window=n_window,
-                          window_tokens=int(window) if n_window else None, state=n_state,
-                          state_values=state_values(cfg) if n_state else 0)
+        return LayerKinds(
+            full=sum(t not in STATE_TYPES for t in kinds) - n_window,
+            window=n_window,
+            window_tokens=int(window) if n_window else None,
+            state=n_state,
+            state_values=state_values(cfg) if n_state else 0,
+        )
     attn = cfg.get("attn_layer_indices")
     if attn is None and cfg.get("attn_layer_period"):  # Jamba
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))

@@ -54,10 +54,10 @@ from cache.tiers.layout import LOCK_FILE, PINS_FILE
 
 log = logging.getLogger(__name__)
 
-TTL_NAMES = {"5m": 300, "1h": 3600}   # hosted APIs' cache_control lifetimes
-MAX_TTL_S = 24 * 3600                  # the longest pin a request may ask for
+TTL_NAMES = {"5m": 300, "1h": 3600}  # hosted APIs' cache_control lifetimes
+MAX_TTL_S = 24 * 3600  # the longest pin a request may ask for
 FORMAT = 1
-UNSALTED = "unsalted"                  # the tenant of requests without a cache_salt
+UNSALTED = "unsalted"  # the tenant of requests without a cache_salt
 # Why a pin was refused, for kvcache:pin_requests_total{outcome} (cache.vllm.metrics):
 TENANT_BUDGET, TIER_BUDGET, PINS_OFF = "tenant_budget", "tier_budget", "pins_off"
 
@@ -65,7 +65,7 @@ TENANT_BUDGET, TIER_BUDGET, PINS_OFF = "tenant_budget", "tier_budget", "pins_off
 @dataclass(frozen=True)
 class PinAsk:
     ttl_s: float
-    tokens: Optional[int] = None   # prompt tokens to pin; None: the whole prompt
+    tokens: Optional[int] = None  # prompt tokens to pin; None: the whole prompt
 
 
 def parse_ttl(value: Any, name: str = "kvcache_pin_ttl") -> float:
@@ -73,8 +73,10 @@ def parse_ttl(value: Any, name: str = "kvcache_pin_ttl") -> float:
     if isinstance(value, str) and value in TTL_NAMES:
         return float(TTL_NAMES[value])
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PinError(f"{name}={value!r} is not a lifetime: give seconds (1 to {MAX_TTL_S}) "
-                       f"or one of {', '.join(map(repr, TTL_NAMES))}")
+        raise PinError(
+            f"{name}={value!r} is not a lifetime: give seconds (1 to {MAX_TTL_S}) "
+            f"or one of {', '.join(map(repr, TTL_NAMES))}"
+        )
     if not 0 < value <= MAX_TTL_S:
         raise PinError(f"{name}={value!r} is out of range: 1 to {MAX_TTL_S} seconds")
     return float(value)
@@ -106,9 +108,9 @@ def tenant_id(cache_salt: Optional[str], key: str = "") -> str:
 
 class PinResult(NamedTuple):
     pinned: bool
-    reason: str = ""        # why it was refused (for the request's caller)
-    expires: float = 0.0    # Unix time, when pinned
-    refusal: str = ""       # TENANT_BUDGET, TIER_BUDGET, PINS_OFF
+    reason: str = ""  # why it was refused (for the request's caller)
+    expires: float = 0.0  # Unix time, when pinned
+    refusal: str = ""  # TENANT_BUDGET, TIER_BUDGET, PINS_OFF
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,10 @@ class Pin:
     namespaces: tuple[str, ...]
     keys: tuple[str, ...]
     entry_bytes: int
-    expires: float      # Unix time
+    expires: float  # Unix time
     created: float
     tokens: int = 0
-    tenant: str = UNSALTED   # tenant_id of the request that pinned
+    tenant: str = UNSALTED  # tenant_id of the request that pinned
 
     def pairs(self) -> Iterable[tuple[str, str]]:
         return ((ns, k) for ns in self.namespaces for k in self.keys)
@@ -143,14 +145,22 @@ class PinBook:
     ``namespace``: the one ``held`` answers for (a worker's store); the scheduler's book
     names namespaces per ``pin``. ``clock``: Unix time (tests pass their own)."""
 
-    def __init__(self, root: str, capacity: int, share: float, namespace: str = "",
-                 clock: Callable[[], float] = time.time, *, tenant_share: float = 1.0) -> None:
+    def __init__(
+        self,
+        root: str,
+        capacity: int,
+        share: float,
+        namespace: str = "",
+        clock: Callable[[], float] = time.time,
+        *,
+        tenant_share: float = 1.0,
+    ) -> None:
         self.root, self.capacity, self.share, self.tenant_share = root, capacity, share, tenant_share
         self.namespace = namespace
         self.clock = clock
         self.path = os.path.join(root, PINS_FILE)
-        self._seen: Optional[tuple] = None           # the file's (inode, mtime, size) last read
-        self._held: dict[str, float] = {}            # key -> latest expiry, our namespace
+        self._seen: Optional[tuple] = None  # the file's (inode, mtime, size) last read
+        self._held: dict[str, float] = {}  # key -> latest expiry, our namespace
         self._pins: list[Pin] = []
 
     @property
@@ -197,19 +207,36 @@ class PinBook:
                 data = json.loads(f.read())
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
-            return [Pin(tuple(p["namespaces"]), tuple(p["keys"]), int(p["entry_bytes"]),
-                        float(p["expires"]), float(p["created"]), int(p.get("tokens", 0)),
-                        str(p.get("tenant", UNSALTED))) for p in data["pins"]]
+            return [
+                Pin(
+                    tuple(p["namespaces"]),
+                    tuple(p["keys"]),
+                    int(p["entry_bytes"]),
+                    float(p["expires"]),
+                    float(p["created"]),
+                    int(p.get("tokens", 0)),
+                    str(p.get("tenant", UNSALTED)),
+                )
+                for p in data["pins"]
+            ]
         except FileNotFoundError:
             return []
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            log.warning("kvcache: ignoring the damaged pin file %s (%s): no pins until the next "
-                        "pin replaces it", self.path, e)
+            log.warning(
+                "kvcache: ignoring the damaged pin file %s (%s): no pins until the next pin replaces it", self.path, e
+            )
             return []
 
     # -- writing (the scheduler, for a request that asks) -----------------------------
-    def pin(self, namespaces: Iterable[str], keys: Iterable[str], entry_bytes: int,
-            ttl_s: float, tokens: int = 0, tenant: str = UNSALTED) -> PinResult:
+    def pin(
+        self,
+        namespaces: Iterable[str],
+        keys: Iterable[str],
+        entry_bytes: int,
+        ttl_s: float,
+        tokens: int = 0,
+        tenant: str = UNSALTED,
+    ) -> PinResult:
         """Pin ``keys`` in ``namespaces`` for ``ttl_s`` seconds for ``tenant`` (``tenant_id``);
         refused (the reason says why, naming only ``tenant``'s own bytes) when the tenant's
         budget or the tier's allowance would be passed."""
@@ -230,13 +257,19 @@ class PinBook:
             asked = f"pinning {len(keys)} chunks ({len(keys) * len(ns) * entry_bytes:,} bytes)"
             mine = f"this tenant holds {ours:,} pinned bytes now, of a budget of {self.tenant_limit:,}"
             if self.tenant_share < 1 and ours_after > self.tenant_limit:
-                return PinResult(False, f"{asked} would bring this tenant's pinned bytes to {ours_after:,}, "
-                                 f"above its budget of {self.tenant_limit:,} (KVCACHE_PIN_TENANT_MAX="
-                                 f"{self.tenant_share:g} of the tier's pin allowance); {mine}",
-                                 refusal=TENANT_BUDGET)
+                return PinResult(
+                    False,
+                    f"{asked} would bring this tenant's pinned bytes to {ours_after:,}, "
+                    f"above its budget of {self.tenant_limit:,} (KVCACHE_PIN_TENANT_MAX="
+                    f"{self.tenant_share:g} of the tier's pin allowance); {mine}",
+                    refusal=TENANT_BUDGET,
+                )
             if pinned_bytes(kept + [new]) > self.limit:
-                return PinResult(False, f"{asked} does not fit: the tier's pin allowance (KVCACHE_PIN_MAX) "
-                                 f"is taken; {mine}", refusal=TIER_BUDGET)
+                return PinResult(
+                    False,
+                    f"{asked} does not fit: the tier's pin allowance (KVCACHE_PIN_MAX) is taken; {mine}",
+                    refusal=TIER_BUDGET,
+                )
             if same:
                 expires = max(new.expires, *(p.expires for p in same))
                 new = Pin(ns, keys, entry_bytes, expires, now, tokens, tenant)

@@ -75,8 +75,14 @@ class Reader(Protocol):
         """Fill ``view`` from ``offset`` (less only where the entry ends); bytes read."""
 
 
-def read_placed(reader: Reader, namespace: bytes, key: str, place: Place, signing_key: bytes = b"",
-                timer: Optional[Callable[[str, float], None]] = None) -> EntryInfo:
+def read_placed(
+    reader: Reader,
+    namespace: bytes,
+    key: str,
+    place: Place,
+    signing_key: bytes = b"",
+    timer: Optional[Callable[[str, float], None]] = None,
+) -> EntryInfo:
     """Check the header of the entry ``reader`` reads, read its payload into
     ``place(info)`` and verify it. Raises ``CorruptEntry`` (truncated, damaged, foreign,
     unsigned), ``ValueError`` (from ``place``), ``LoadEnded`` (``Staged``) or the
@@ -101,7 +107,7 @@ def _split(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview
             take = view[:room]
             parts[-1].append(take)
             room -= len(take)
-            view = view[len(take):]
+            view = view[len(take) :]
     return parts
 
 
@@ -115,8 +121,14 @@ class PartRead:
     Until then the parts read are unverified: the caller must not let them be used
     unless the last part verifies (a forward pass that ran on them is discarded)."""
 
-    def __init__(self, namespace: bytes, key: str, place: Place, signing_key: bytes = b"",
-                 timer: Optional[Callable[[str, float], None]] = None) -> None:
+    def __init__(
+        self,
+        namespace: bytes,
+        key: str,
+        place: Place,
+        signing_key: bytes = b"",
+        timer: Optional[Callable[[str, float], None]] = None,
+    ) -> None:
         self.namespace, self.key, self.place = namespace, key, place
         self.signing_key, self.timer = signing_key, timer
         self.info: Optional[EntryInfo] = None
@@ -168,13 +180,14 @@ class PartRead:
             expect(offset, self._part_bytes, rest)
         for view in self.parts[self.next_part]:
             for start in range(0, len(view), PIECE_BYTES):
-                piece = view[start:start + PIECE_BYTES]
+                piece = view[start : start + PIECE_BYTES]
                 t0 = time.perf_counter()
                 got = reader.readinto(piece, offset)
                 t1 = time.perf_counter()
                 if got != len(piece):
-                    raise CorruptEntry(f"entry ended at byte {offset + got}, header says "
-                                       f"{HEADER_SIZE + info.payload_len}")
+                    raise CorruptEntry(
+                        f"entry ended at byte {offset + got}, header says {HEADER_SIZE + info.payload_len}"
+                    )
                 check.update(piece)
                 self._hashing += time.perf_counter() - t1
                 self._reading += t1 - t0
@@ -260,14 +273,14 @@ class BytesReader:
         return len(self.data)
 
     def pread(self, n: int, offset: int) -> bytes:
-        return bytes(self.data[offset:offset + n])
+        return bytes(self.data[offset : offset + n])
 
     def view(self, offset: int, n: int) -> memoryview:
-        return self.data[offset:offset + n]
+        return self.data[offset : offset + n]
 
     def readinto(self, view: memoryview, offset: int) -> int:
         got = self.view(offset, len(view))
-        copy_into(view[:len(got)], got)
+        copy_into(view[: len(got)], got)
         return len(got)
 
 
@@ -295,18 +308,18 @@ class Staged:
     def _buffer(self, offset: int, n: int) -> memoryview:
         if self._buf is None:
             self._buf = memoryview(bytearray(self.reader.size() if self.keep else PIECE_BYTES))
-        return self._buf[offset:offset + n] if self.keep else self._buf[:n]
+        return self._buf[offset : offset + n] if self.keep else self._buf[:n]
 
     def readinto(self, view: memoryview, offset: int) -> int:
         if self.in_memory:
             got = self.reader.view(offset, len(view))
         else:
             got = self._buffer(offset, len(view))
-            got = got[:self.reader.readinto(got, offset)]
+            got = got[: self.reader.readinto(got, offset)]
         if not self.writers.enter():
             raise LoadEnded()
         try:
-            copy_into(view[:len(got)], got)
+            copy_into(view[: len(got)], got)
         finally:
             self.writers.leave()
         return len(got)

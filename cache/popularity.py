@@ -46,13 +46,13 @@ from cache.tiers.notes import NOTE_SUFFIX, list_notes, read_note, remove_note, w
 
 log = logging.getLogger(__name__)
 
-HALF_LIFE_S = 3600.0        # a use counts half as much an hour later
-MAX_TRACKED = 8192          # chunks counted per engine (beyond 2x: the least used forgotten)
-NOTE_KEYS = 4096            # chunks in one node's note
+HALF_LIFE_S = 3600.0  # a use counts half as much an hour later
+MAX_TRACKED = 8192  # chunks counted per engine (beyond 2x: the least used forgotten)
+NOTE_KEYS = 4096  # chunks in one node's note
 NOTE_MAX_AGE_S = 7 * 86400  # an older note is ignored, and removed by the next publisher
-PUBLISH_S = 60.0            # a changed note is published this often
+PUBLISH_S = 60.0  # a changed note is published this often
 FORMAT = 1
-_REBASE = 2.0 ** 40         # weights are rebased before they grow past this
+_REBASE = 2.0**40  # weights are rebased before they grow past this
 
 
 @dataclass(frozen=True)
@@ -68,20 +68,21 @@ class Hot:
 @dataclass(frozen=True)
 class Note:
     node: str
-    written: float     # Unix time; scores are aged to it
+    written: float  # Unix time; scores are aged to it
     entries: tuple[Hot, ...]
 
 
 class Popularity:
     """Aged use counts of chunks (``observe``), and the most used (``top``). Thread-safe."""
 
-    def __init__(self, half_life_s: float = HALF_LIFE_S, max_tracked: int = MAX_TRACKED,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, half_life_s: float = HALF_LIFE_S, max_tracked: int = MAX_TRACKED, clock: Callable[[], float] = time.time
+    ) -> None:
         self.half_life_s, self.max_tracked, self.clock = half_life_s, max_tracked, clock
         self._lock = threading.Lock()
-        self._base = clock()                  # a use at this moment weighs 1
-        self._counts: dict[str, list] = {}    # key -> [weight, parent, depth]
-        self.version = 0                      # changes with every observed request
+        self._base = clock()  # a use at this moment weighs 1
+        self._counts: dict[str, list] = {}  # key -> [weight, parent, depth]
+        self.version = 0  # changes with every observed request
 
     def _weight(self, now: float) -> float:
         return 2.0 ** ((now - self._base) / self.half_life_s)
@@ -146,9 +147,15 @@ def _rank(item) -> tuple:
 
 # -- the note format ----------------------------------------------------------------
 def encode_note(entries: Sequence[Hot], node: str, written: float) -> bytes:
-    return json.dumps({"format": FORMAT, "node": node, "written": written, "entries": [
-        [h.key, h.parent or "", round(h.score, 9), h.depth] for h in entries]},
-        separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "format": FORMAT,
+            "node": node,
+            "written": written,
+            "entries": [[h.key, h.parent or "", round(h.score, 9), h.depth] for h in entries],
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 def decode_note(data: bytes) -> Note:
@@ -169,9 +176,17 @@ def decode_note(data: bytes) -> Note:
         if not (isinstance(item, list) and len(item) == 4):
             raise ValueError(f"entry {item!r:.80} is not [key, parent, score, depth]")
         key, parent, score, depth = item
-        if not (isinstance(key, str) and is_key(key) and isinstance(parent, str)
-                and (parent == "" or is_key(parent)) and _number(score) and score >= 0
-                and isinstance(depth, int) and not isinstance(depth, bool) and depth >= 0):
+        if not (
+            isinstance(key, str)
+            and is_key(key)
+            and isinstance(parent, str)
+            and (parent == "" or is_key(parent))
+            and _number(score)
+            and score >= 0
+            and isinstance(depth, int)
+            and not isinstance(depth, bool)
+            and depth >= 0
+        ):
             raise ValueError(f"entry {item!r:.80} is not [key, parent, score, depth]")
         entries.append(Hot(key, parent or None, float(score), depth))
     return Note(node, float(written), tuple(entries))
@@ -181,8 +196,9 @@ def _number(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def hottest(notes: Iterable[Note], now: float, half_life_s: float = HALF_LIFE_S,
-            max_age_s: float = NOTE_MAX_AGE_S) -> list[Hot]:
+def hottest(
+    notes: Iterable[Note], now: float, half_life_s: float = HALF_LIFE_S, max_age_s: float = NOTE_MAX_AGE_S
+) -> list[Hot]:
     """Every node's note merged: counts aged to ``now`` and summed, a parent's raised to its
     most used child's; most used first, a parent always before its children; a chunk whose
     parent is in no note left out."""
@@ -232,15 +248,21 @@ class Publisher:
     per rank, the scheduler's lookup views'): a daemon thread publishes it every
     ``interval`` seconds when the counts changed; ``close`` publishes it once more."""
 
-    def __init__(self, popularity: Popularity, tiers: Sequence, node: Optional[str] = None,
-                 interval: float = PUBLISH_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        popularity: Popularity,
+        tiers: Sequence,
+        node: Optional[str] = None,
+        interval: float = PUBLISH_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.popularity, self.tiers, self.interval, self.clock = popularity, list(tiers), interval, clock
         self.node = node or this_host()
         self.name = _NODE_NAME.sub("_", self.node)[:100] + NOTE_SUFFIX
         self._published = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()   # one publish at a time (the thread, close)
+        self._lock = threading.Lock()  # one publish at a time (the thread, close)
         self._warned = False
 
     def start(self) -> None:

@@ -31,8 +31,9 @@ def read_prompt_file(path: str, source: Optional[str] = None) -> list[dict]:
                 except ValueError as e:
                     raise ConfigError(f"{source}, line {n}: not JSON ({e})") from None
                 if not isinstance(obj, dict) or not any(k in obj for k in WARM_KEYS):
-                    raise ConfigError(f"{source}, line {n}: each line must be a JSON object with "
-                                      f"one of {', '.join(WARM_KEYS)}")
+                    raise ConfigError(
+                        f"{source}, line {n}: each line must be a JSON object with one of {', '.join(WARM_KEYS)}"
+                    )
                 ids = obj.get("prompt_token_ids")
                 if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
                     raise ConfigError(f"{source}, line {n}: prompt_token_ids must be a list of integers")
@@ -44,4 +45,3 @@ def read_prompt_file(path: str, source: Optional[str] = None) -> list[dict]:
     if not prompts:
         raise ConfigError(f"{source} holds no prompts")
     return prompts
-

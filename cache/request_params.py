@@ -39,8 +39,9 @@ def check_params(params: Any) -> None:
     unknown = [k for k in params if k not in KEYS]
     if unknown:
         listed = ", ".join(repr(k) if len(k) <= 64 else repr(k[:64]) + "..." for k in unknown[:5])
-        raise ParamsError(f"unknown key(s) {listed}{' ...' if len(unknown) > 5 else ''}: this "
-                          f"server reads {', '.join(KEYS)}")
+        raise ParamsError(
+            f"unknown key(s) {listed}{' ...' if len(unknown) > 5 else ''}: this server reads {', '.join(KEYS)}"
+        )
     for key in SWITCHES:
         value = params.get(key)
         if value is not None and not isinstance(value, bool):

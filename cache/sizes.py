@@ -21,10 +21,20 @@ from cache.errors import ConfigError
 from cache.tiers.layout import folder_usage
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -33,9 +43,7 @@ def parse_size(text: str, whole: Optional[int], name: str) -> int:
     s = str(text).strip().lower().replace(" ", "")
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[a-z]*)", s)
     if not m or (m.group(2) not in _SIZE_UNITS and m.group(2) != "%"):
-        raise ConfigError(
-            f"{name}={text!r} is not a size; write e.g. 8GiB, 500MB, 1073741824 or 20%"
-        )
+        raise ConfigError(f"{name}={text!r} is not a size; write e.g. 8GiB, 500MB, 1073741824 or 20%")
     number, unit = float(m.group(1)), m.group(2)
     if unit == "%":
         if whole is None:

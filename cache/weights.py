@@ -53,30 +53,32 @@ import xxhash
 
 MODES = ("sampled", "full")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
-WHOLE_FILES = ("adapter_config.json",)   # hashed whole, besides the weight index files
-S3_MANIFEST = ".kvcache-s3-etags.json"   # {relative name: [size, ETag]}, by serving.model
-SAMPLE_BUDGET = 8 << 20     # bytes of tensor samples per model (safetensors), before the floor
-MAX_PIECE = 64 << 10        # one tensor's sample, at most
-MIN_PIECE = 256             # one tensor's sample, at least (smaller tensors: all of it)
-HEAD_BYTES = 64 << 10       # the first bytes of a file in another format
-PIECE = 4 << 10             # one piece of a file in another format
-GENERIC_PIECES = 2048       # pieces across all files in other formats (8 MiB)
-HEADER_MAX = 100 << 20      # a larger safetensors header is not one (the format's own bound)
-FULL_READ = 8 << 20         # read size of a full hash
+WHOLE_FILES = ("adapter_config.json",)  # hashed whole, besides the weight index files
+S3_MANIFEST = ".kvcache-s3-etags.json"  # {relative name: [size, ETag]}, by serving.model
+SAMPLE_BUDGET = 8 << 20  # bytes of tensor samples per model (safetensors), before the floor
+MAX_PIECE = 64 << 10  # one tensor's sample, at most
+MIN_PIECE = 256  # one tensor's sample, at least (smaller tensors: all of it)
+HEAD_BYTES = 64 << 10  # the first bytes of a file in another format
+PIECE = 4 << 10  # one piece of a file in another format
+GENERIC_PIECES = 2048  # pieces across all files in other formats (8 MiB)
+HEADER_MAX = 100 << 20  # a larger safetensors header is not one (the format's own bound)
+FULL_READ = 8 << 20  # read size of a full hash
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    digest: str         # 32 hex digits
-    mode: str           # "sampled" or "full"
-    files: int          # weight files
-    total_bytes: int    # their size
-    bytes_read: int     # what taking the fingerprint read
+    digest: str  # 32 hex digits
+    mode: str  # "sampled" or "full"
+    files: int  # weight files
+    total_bytes: int  # their size
+    bytes_read: int  # what taking the fingerprint read
 
     def describe(self) -> str:
-        return (f"{self.digest} ({self.mode}: {self.files} weight file(s), {self.total_bytes:,} bytes, "
-                f"{self.bytes_read:,} read)")
+        return (
+            f"{self.digest} ({self.mode}: {self.files} weight file(s), {self.total_bytes:,} bytes, "
+            f"{self.bytes_read:,} read)"
+        )
 
 
 def fingerprint(path: str, mode: str = "sampled") -> Fingerprint:
@@ -186,8 +188,11 @@ class _Reader:
         self.h.update(header)
         try:
             table = json.loads(header)
-            return sorted((name, 8 + n + int(t["data_offsets"][0]), 8 + n + int(t["data_offsets"][1]))
-                          for name, t in table.items() if name != "__metadata__")
+            return sorted(
+                (name, 8 + n + int(t["data_offsets"][0]), 8 + n + int(t["data_offsets"][1]))
+                for name, t in table.items()
+                if name != "__metadata__"
+            )
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return None  # (the header bytes are hashed either way)
 

@@ -55,9 +55,12 @@ def crd_schema(version: str) -> dict[str, Any]:
 
 def _strict(node: Any) -> Any:
     if isinstance(node, dict):
-        if (node.get("type") == "object" and "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            node.get("type") == "object"
+            and "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             node["additionalProperties"] = False
         for value in node.values():
             _strict(value)
@@ -71,15 +74,19 @@ def schema_errors(manifest: dict[str, Any]) -> list[str]:
     group, _, version = str(manifest.get("apiVersion", "")).partition("/")
     crd = _crd()["spec"]
     if group != crd["group"] or manifest.get("kind") != crd["names"]["kind"]:
-        return [f"apiVersion/kind {manifest.get('apiVersion')}/{manifest.get('kind')} is not "
-                f"{crd['group']}/*, {crd['names']['kind']}"]
+        return [
+            f"apiVersion/kind {manifest.get('apiVersion')}/{manifest.get('kind')} is not "
+            f"{crd['group']}/*, {crd['names']['kind']}"
+        ]
     try:
         schema = crd_schema(version)
     except ValueError as e:
         return [str(e)]
     validator = jsonschema.Draft7Validator(schema)
-    return [f"{'.'.join(str(p) for p in error.absolute_path) or '(root)'}: {error.message}"
-            for error in sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.path)))]
+    return [
+        f"{'.'.join(str(p) for p in error.absolute_path) or '(root)'}: {error.message}"
+        for error in sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.path)))
+    ]
 
 
 def _env(worker: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -102,17 +109,22 @@ def pod_errors(manifest: dict[str, Any]) -> list[str]:
     for name in FILE_SETTINGS:
         value = literal(name)
         if value and value.startswith("/") and not _inside(value, mount):
-            errors.append(f"{name}={value} is outside the model volume ({mount}), the only "
-                          "volume the worker mounts: put the file in the model artifact")
+            errors.append(
+                f"{name}={value} is outside the model volume ({mount}), the only "
+                "volume the worker mounts: put the file in the model artifact"
+            )
     shared = literal("KVCACHE_SHARED_URL") or ""
     if shared.startswith("file:"):
-        errors.append(f"KVCACHE_SHARED_URL={shared}: the worker cannot mount a shared volume "
-                      "(the CRD has no worker volumeMounts); use curvine:// with "
-                      "KVCACHE_CURVINE_MASTERS")
-    if shared.startswith("curvine:") and not (env.get("KVCACHE_CURVINE_MASTERS")
-                                              or env.get("KVCACHE_CURVINE_CONF")):
-        errors.append("KVCACHE_SHARED_URL=curvine://... needs KVCACHE_CURVINE_MASTERS "
-                      "(or KVCACHE_CURVINE_CONF inside the model volume)")
+        errors.append(
+            f"KVCACHE_SHARED_URL={shared}: the worker cannot mount a shared volume "
+            "(the CRD has no worker volumeMounts); use curvine:// with "
+            "KVCACHE_CURVINE_MASTERS"
+        )
+    if shared.startswith("curvine:") and not (env.get("KVCACHE_CURVINE_MASTERS") or env.get("KVCACHE_CURVINE_CONF")):
+        errors.append(
+            "KVCACHE_SHARED_URL=curvine://... needs KVCACHE_CURVINE_MASTERS "
+            "(or KVCACHE_CURVINE_CONF inside the model volume)"
+        )
     masters = literal("KVCACHE_CURVINE_MASTERS")
     if masters is not None and not all(_HOST_PORT.match(m.strip()) for m in masters.split(",")):
         errors.append(f"KVCACHE_CURVINE_MASTERS={masters!r}: want host:port[,host:port...]")
@@ -121,8 +133,9 @@ def pod_errors(manifest: dict[str, Any]) -> list[str]:
         if key is None:
             errors.append("a shared tier needs KVCACHE_SIGNING_KEY (from a Secret)")
         elif "value" in key or "secretKeyRef" not in (key.get("valueFrom") or {}):
-            errors.append("KVCACHE_SIGNING_KEY must come from a Secret "
-                          "(valueFrom.secretKeyRef), not be written in the manifest")
+            errors.append(
+                "KVCACHE_SIGNING_KEY must come from a Secret (valueFrom.secretKeyRef), not be written in the manifest"
+            )
     return errors
 
 

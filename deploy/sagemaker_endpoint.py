@@ -55,13 +55,13 @@ def _check_model_file(s3, head: dict[str, str]) -> None:
         s3.head_object(**head)
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            raise ValueError(f"--curvine-conf: s3://{head['Bucket']}/{head['Key']} does not exist "
-                             "in the model data") from None
+            raise ValueError(
+                f"--curvine-conf: s3://{head['Bucket']}/{head['Key']} does not exist in the model data"
+            ) from None
         raise
 
 
-def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = True,
-           log=print, s3=None) -> str:
+def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = True, log=print, s3=None) -> str:
     """Create the model and endpoint config, then create or update the endpoint.
     Returns the endpoint ARN. ``sm`` is ``boto3.client("sagemaker")``; ``s3`` (for the
     ``--curvine-conf`` check) is made from ``sm``'s session when needed."""
@@ -70,6 +70,7 @@ def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = Tru
     if "HeadObject" in built:
         if s3 is None:
             import boto3
+
             s3 = boto3.client("s3", region_name=sm.meta.region_name)
         _check_model_file(s3, built["HeadObject"][1])
     elif spec.curvine_conf:
@@ -91,7 +92,8 @@ def deploy(sm, spec: EndpointSpec, stamp: Optional[str] = None, wait: bool = Tru
     if wait:
         log("waiting for InService (model download and load included) ...")
         sm.get_waiter("endpoint_in_service").wait(
-            EndpointName=spec.name, WaiterConfig={"Delay": 30, "MaxAttempts": 120})
+            EndpointName=spec.name, WaiterConfig={"Delay": 30, "MaxAttempts": 120}
+        )
         log(f"endpoint {spec.name} is InService")
     return arn
 
@@ -100,8 +102,7 @@ def delete(sm, name: str, log=print) -> None:
     """Delete the endpoint, its config and its model."""
     desc = sm.describe_endpoint(EndpointName=name)
     config = desc["EndpointConfigName"]
-    models = [v["ModelName"] for v in
-              sm.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]]
+    models = [v["ModelName"] for v in sm.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]]
     sm.delete_endpoint(EndpointName=name)
     sm.delete_endpoint_config(EndpointConfigName=config)
     for m in models:
@@ -109,8 +110,9 @@ def delete(sm, name: str, log=print) -> None:
     log(f"deleted endpoint {name}, config {config}, models {', '.join(models)}")
 
 
-def invoke(runtime, endpoint: str, body: dict, session_id: Optional[str] = None,
-           prefix_aware_id: Optional[str] = None) -> tuple[Any, Optional[str]]:
+def invoke(
+    runtime, endpoint: str, body: dict, session_id: Optional[str] = None, prefix_aware_id: Optional[str] = None
+) -> tuple[Any, Optional[str]]:
     """One invocation (``boto3.client("sagemaker-runtime")``); returns the answer (JSON,
     or the text of a non-JSON answer) and the session to use next.
 
@@ -120,13 +122,13 @@ def invoke(runtime, endpoint: str, body: dict, session_id: Optional[str] = None,
     id is passed on and returned as is, or None once the answer carries ``ClosedSessionId``.
     ``prefix_aware_id`` is the routing hint of prefix-aware routing (``PrefixAwareId``):
     requests with the same hint and prefix go to the same instance."""
-    base: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json",
-                            "Accept": "application/json"}
+    base: dict[str, Any] = {"EndpointName": endpoint, "ContentType": "application/json", "Accept": "application/json"}
     if prefix_aware_id:
         base["PrefixAwareId"] = prefix_aware_id
     if session_id == "NEW_SESSION" and "requestType" not in body:
-        opened = runtime.invoke_endpoint(**base, Body=json.dumps({"requestType": "NEW_SESSION"}),
-                                         SessionId="NEW_SESSION")
+        opened = runtime.invoke_endpoint(
+            **base, Body=json.dumps({"requestType": "NEW_SESSION"}), SessionId="NEW_SESSION"
+        )
         if not opened.get("NewSessionId"):
             raise RuntimeError(f"endpoint {endpoint} opened no session (are stateful sessions on?)")
         session_id = opened["NewSessionId"].split(";")[0].strip()
@@ -185,22 +187,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--disk-size", help="KVCACHE_DISK_SIZE")
     p.add_argument("--shared-url", help="KVCACHE_SHARED_URL, e.g. curvine:///kvcache/<model>")
     p.add_argument("--curvine-masters", help="KVCACHE_CURVINE_MASTERS: host:port,host:port")
-    p.add_argument("--curvine-conf", help="a Curvine client file inside --model-data "
-                   "(relative to it, or under /opt/ml/model)")
+    p.add_argument(
+        "--curvine-conf", help="a Curvine client file inside --model-data (relative to it, or under /opt/ml/model)"
+    )
     p.add_argument("--signing-key-env", help="name of a local variable holding KVCACHE_SIGNING_KEY")
     p.add_argument("--subnets", help="VpcConfig subnets, comma-separated")
     p.add_argument("--security-groups", help="VpcConfig security group ids, comma-separated")
     p.add_argument("--no-sessions", action="store_true", help="turn stateful sessions off")
     p.add_argument("--routing", choices=sorted(ROUTING))
-    p.add_argument("--startup-timeout", type=int, default=DEFAULT_STARTUP_TIMEOUT_S,
-                   help="ContainerStartupHealthCheckTimeoutInSeconds and SAGEMAKER_STARTUP_TIMEOUT")
-    p.add_argument("--inference-ami-version", default="auto",
-                   help=f"host AMI (default on GPU instances: {GPU_INFERENCE_AMI}, CUDA 13.0)")
+    p.add_argument(
+        "--startup-timeout",
+        type=int,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        help="ContainerStartupHealthCheckTimeoutInSeconds and SAGEMAKER_STARTUP_TIMEOUT",
+    )
+    p.add_argument(
+        "--inference-ami-version",
+        default="auto",
+        help=f"host AMI (default on GPU instances: {GPU_INFERENCE_AMI}, CUDA 13.0)",
+    )
     p.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the container")
     p.add_argument("--tag", action="append", default=[], help="KEY=VALUE tag")
     p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate and print the requests (secrets masked), send nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate and print the requests (secrets masked), send nothing"
+    )
     p.add_argument("--delete", action="store_true", help="delete the endpoint, config and model")
     a = p.parse_args(argv)
 
@@ -208,6 +219,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if a.delete:
         import boto3
+
         delete(boto3.client("sagemaker", region_name=a.region), a.name)
         return 0
     if not (a.image and a.role):
@@ -218,15 +230,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         extra["HF_TOKEN"] = secrets["HF_TOKEN"]
     try:
         spec = EndpointSpec(
-            name=a.name, image_uri=a.image, role_arn=a.role, instance_type=a.instance_type,
-            instance_count=a.instance_count, hf_model_id=a.hf_model_id, model_data_url=a.model_data,
-            num_gpus=a.num_gpus, dram_size=a.dram_size, disk_size=a.disk_size,
-            shared_url=a.shared_url, curvine_masters=a.curvine_masters, curvine_conf=a.curvine_conf,
-            signing_key=_secret(p, a.signing_key_env), subnets=_csv(a.subnets),
-            security_group_ids=_csv(a.security_groups), stateful_sessions=not a.no_sessions,
-            routing=a.routing, startup_timeout_s=a.startup_timeout,
+            name=a.name,
+            image_uri=a.image,
+            role_arn=a.role,
+            instance_type=a.instance_type,
+            instance_count=a.instance_count,
+            hf_model_id=a.hf_model_id,
+            model_data_url=a.model_data,
+            num_gpus=a.num_gpus,
+            dram_size=a.dram_size,
+            disk_size=a.disk_size,
+            shared_url=a.shared_url,
+            curvine_masters=a.curvine_masters,
+            curvine_conf=a.curvine_conf,
+            signing_key=_secret(p, a.signing_key_env),
+            subnets=_csv(a.subnets),
+            security_group_ids=_csv(a.security_groups),
+            stateful_sessions=not a.no_sessions,
+            routing=a.routing,
+            startup_timeout_s=a.startup_timeout,
             inference_ami_version=None if a.inference_ami_version == "none" else a.inference_ami_version,
-            extra_env=extra, tags=_kv(a.tag))
+            extra_env=extra,
+            tags=_kv(a.tag),
+        )
         built = requests(spec, spec.stamp)
     except (ValueError, ParamValidationError) as e:
         p.error(str(e))
@@ -239,6 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(shown, indent=2))
         return 0
     import boto3
+
     print(deploy(boto3.client("sagemaker", region_name=a.region), spec, wait=not a.no_wait))
     return 0
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 DEFAULT_STARTUP_TIMEOUT_S = 1800
 DEFAULT_DOWNLOAD_TIMEOUT_S = 1800
 VARIANT = "AllTraffic"
-MODEL_DIR = "/opt/ml/model"   # where SageMaker puts ModelDataUrl / ModelDataSource
+MODEL_DIR = "/opt/ml/model"  # where SageMaker puts ModelDataUrl / ModelDataSource
 # The GPU image is vllm/vllm-openai:v0.32.0: vllm 0.32.0 pins torch==2.13.0, whose Linux
 # wheels are CUDA 13.0 builds. CUDA 13.0 needs NVIDIA driver 580, which only this host AMI
 # has (botocore's ProductionVariant.InferenceAmiVersion: driver 580, CUDA 13.0); the
@@ -33,24 +33,24 @@ class EndpointSpec:
     instance_type: str = "ml.g5.12xlarge"
     instance_count: int = 1
     hf_model_id: Optional[str] = None
-    model_data_url: Optional[str] = None    # s3://bucket/prefix/ (uncompressed) or .../model.tar.gz
-    num_gpus: Optional[int] = None          # SM_NUM_GPUS; None: the container uses every GPU
-    dram_size: Optional[str] = None         # KVCACHE_DRAM_SIZE (e.g. 40%, 64GiB)
-    disk_size: Optional[str] = None         # KVCACHE_DISK_SIZE
-    shared_url: Optional[str] = None        # KVCACHE_SHARED_URL (curvine:///folder)
-    curvine_masters: Optional[str] = None   # KVCACHE_CURVINE_MASTERS (host:port,host:port)
-    curvine_conf: Optional[str] = None      # KVCACHE_CURVINE_CONF: a file in the model data
-    signing_key: Optional[str] = None       # KVCACHE_SIGNING_KEY
-    subnets: tuple[str, ...] = ()           # VpcConfig: where the Curvine cluster is reachable
+    model_data_url: Optional[str] = None  # s3://bucket/prefix/ (uncompressed) or .../model.tar.gz
+    num_gpus: Optional[int] = None  # SM_NUM_GPUS; None: the container uses every GPU
+    dram_size: Optional[str] = None  # KVCACHE_DRAM_SIZE (e.g. 40%, 64GiB)
+    disk_size: Optional[str] = None  # KVCACHE_DISK_SIZE
+    shared_url: Optional[str] = None  # KVCACHE_SHARED_URL (curvine:///folder)
+    curvine_masters: Optional[str] = None  # KVCACHE_CURVINE_MASTERS (host:port,host:port)
+    curvine_conf: Optional[str] = None  # KVCACHE_CURVINE_CONF: a file in the model data
+    signing_key: Optional[str] = None  # KVCACHE_SIGNING_KEY
+    subnets: tuple[str, ...] = ()  # VpcConfig: where the Curvine cluster is reachable
     security_group_ids: tuple[str, ...] = ()
     stateful_sessions: bool = True
-    routing: Optional[str] = None           # None, "least-outstanding", "random", "prefix-aware"
-    prefix_length: int = 4096               # bytes/characters used by prefix-aware routing
+    routing: Optional[str] = None  # None, "least-outstanding", "random", "prefix-aware"
+    prefix_length: int = 4096  # bytes/characters used by prefix-aware routing
     concurrency_threshold: int = 32
     startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
     download_timeout_s: int = DEFAULT_DOWNLOAD_TIMEOUT_S
-    inference_ami_version: Optional[str] = "auto"   # "auto": GPU_INFERENCE_AMI on GPU instances
-    volume_size_gb: Optional[int] = None    # only for instance types without local NVMe
+    inference_ami_version: Optional[str] = "auto"  # "auto": GPU_INFERENCE_AMI on GPU instances
+    volume_size_gb: Optional[int] = None  # only for instance types without local NVMe
     extra_env: Mapping[str, str] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=dict)
 
@@ -66,13 +66,17 @@ def curvine_conf_in_model(spec: EndpointSpec) -> Optional[str]:
     if not spec.curvine_conf:
         return None
     if not spec.model_data_url:
-        raise ValueError("--curvine-conf names a file in the model data, but there is no "
-                         "--model-data; use --curvine-masters instead, or ship the file in the model")
+        raise ValueError(
+            "--curvine-conf names a file in the model data, but there is no "
+            "--model-data; use --curvine-masters instead, or ship the file in the model"
+        )
     path = posixpath.normpath(spec.curvine_conf)
     if path.startswith("/"):
         if not path.startswith(MODEL_DIR + "/"):
-            raise ValueError(f"--curvine-conf {spec.curvine_conf}: the container sees only the "
-                             f"model data under {MODEL_DIR}; give a path inside it")
+            raise ValueError(
+                f"--curvine-conf {spec.curvine_conf}: the container sees only the "
+                f"model data under {MODEL_DIR}; give a path inside it"
+            )
         path = posixpath.relpath(path, MODEL_DIR)
     if path == "." or path.startswith("../"):
         raise ValueError(f"--curvine-conf {spec.curvine_conf} is not a file inside the model data")
@@ -91,12 +95,18 @@ def model_file_request(spec: EndpointSpec) -> Optional[dict[str, str]]:
 
 
 # Variables the script sets from its own options: --env may not set them behind its back.
-_OWN_ENV = {"HF_MODEL_ID": "--hf-model-id", "SM_NUM_GPUS": "--num-gpus",
-            "KVCACHE_DRAM_SIZE": "--dram-size", "KVCACHE_DISK_SIZE": "--disk-size",
-            "KVCACHE_SHARED_URL": "--shared-url", "KVCACHE_CURVINE_MASTERS": "--curvine-masters",
-            "KVCACHE_CURVINE_CONF": "--curvine-conf", "KVCACHE_SIGNING_KEY": "--signing-key-env",
-            "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "--no-sessions",
-            "SAGEMAKER_STARTUP_TIMEOUT": "--startup-timeout"}
+_OWN_ENV = {
+    "HF_MODEL_ID": "--hf-model-id",
+    "SM_NUM_GPUS": "--num-gpus",
+    "KVCACHE_DRAM_SIZE": "--dram-size",
+    "KVCACHE_DISK_SIZE": "--disk-size",
+    "KVCACHE_SHARED_URL": "--shared-url",
+    "KVCACHE_CURVINE_MASTERS": "--curvine-masters",
+    "KVCACHE_CURVINE_CONF": "--curvine-conf",
+    "KVCACHE_SIGNING_KEY": "--signing-key-env",
+    "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "--no-sessions",
+    "SAGEMAKER_STARTUP_TIMEOUT": "--startup-timeout",
+}
 
 
 def environment(spec: EndpointSpec) -> dict[str, str]:
@@ -105,21 +115,26 @@ def environment(spec: EndpointSpec) -> dict[str, str]:
     if clash:
         raise ValueError(f"--env {clash[0]}: set it with {_OWN_ENV[clash[0]]}")
     if spec.shared_url and not spec.signing_key:
-        raise ValueError("a shared tier (--shared-url) needs a signing key (--signing-key-env): "
-                         "nodes would otherwise load entries anyone with write access made")
+        raise ValueError(
+            "a shared tier (--shared-url) needs a signing key (--signing-key-env): "
+            "nodes would otherwise load entries anyone with write access made"
+        )
     if (spec.shared_url or "").startswith("curvine:") and not (spec.curvine_masters or spec.curvine_conf):
         raise ValueError("--shared-url curvine://... needs --curvine-masters or --curvine-conf")
     env: dict[str, str] = {}
-    for var, value in (("HF_MODEL_ID", spec.hf_model_id),
-                       ("SM_NUM_GPUS", str(spec.num_gpus) if spec.num_gpus else None),
-                       ("KVCACHE_DRAM_SIZE", spec.dram_size), ("KVCACHE_DISK_SIZE", spec.disk_size),
-                       ("KVCACHE_SHARED_URL", spec.shared_url),
-                       ("KVCACHE_CURVINE_MASTERS", spec.curvine_masters),
-                       ("KVCACHE_CURVINE_CONF", curvine_conf_in_model(spec)),
-                       ("KVCACHE_SIGNING_KEY", spec.signing_key)):
+    for var, value in (
+        ("HF_MODEL_ID", spec.hf_model_id),
+        ("SM_NUM_GPUS", str(spec.num_gpus) if spec.num_gpus else None),
+        ("KVCACHE_DRAM_SIZE", spec.dram_size),
+        ("KVCACHE_DISK_SIZE", spec.disk_size),
+        ("KVCACHE_SHARED_URL", spec.shared_url),
+        ("KVCACHE_CURVINE_MASTERS", spec.curvine_masters),
+        ("KVCACHE_CURVINE_CONF", curvine_conf_in_model(spec)),
+        ("KVCACHE_SIGNING_KEY", spec.signing_key),
+    ):
         if value:
             env[var] = value
-    env["KVCACHE_DISK_PATH"] = "/tmp/kvcache"   # the big local volume (NVMe) on SageMaker hosts
+    env["KVCACHE_DISK_PATH"] = "/tmp/kvcache"  # the big local volume (NVMe) on SageMaker hosts
     env["SAGEMAKER_ENABLE_STATEFUL_SESSIONS"] = "true" if spec.stateful_sessions else "false"
     # The container waits for its engine exactly as long as SageMaker waits for /ping.
     env["SAGEMAKER_STARTUP_TIMEOUT"] = str(spec.startup_timeout_s)
@@ -146,23 +161,28 @@ def model_request(spec: EndpointSpec, stamp: str) -> dict[str, Any]:
         if spec.model_data_url.endswith(".tar.gz"):
             container["ModelDataUrl"] = spec.model_data_url
         else:  # an uncompressed prefix: SageMaker copies it to /opt/ml/model as is
-            container["ModelDataSource"] = {"S3DataSource": {
-                "S3Uri": spec.model_data_url.rstrip("/") + "/",
-                "S3DataType": "S3Prefix", "CompressionType": "None"}}
-    req: dict[str, Any] = {"ModelName": model_name(spec, stamp), "PrimaryContainer": container,
-                           "ExecutionRoleArn": spec.role_arn}
+            container["ModelDataSource"] = {
+                "S3DataSource": {
+                    "S3Uri": spec.model_data_url.rstrip("/") + "/",
+                    "S3DataType": "S3Prefix",
+                    "CompressionType": "None",
+                }
+            }
+    req: dict[str, Any] = {
+        "ModelName": model_name(spec, stamp),
+        "PrimaryContainer": container,
+        "ExecutionRoleArn": spec.role_arn,
+    }
     if spec.subnets or spec.security_group_ids:
         if not (spec.subnets and spec.security_group_ids):
             raise ValueError("a VPC needs both --subnets and --security-groups")
-        req["VpcConfig"] = {"Subnets": list(spec.subnets),
-                            "SecurityGroupIds": list(spec.security_group_ids)}
+        req["VpcConfig"] = {"Subnets": list(spec.subnets), "SecurityGroupIds": list(spec.security_group_ids)}
     if spec.tags:
         req["Tags"] = tag_list(spec)
     return req
 
 
-ROUTING = {"least-outstanding": "LEAST_OUTSTANDING_REQUESTS", "random": "RANDOM",
-            "prefix-aware": "PREFIX_AWARE"}
+ROUTING = {"least-outstanding": "LEAST_OUTSTANDING_REQUESTS", "random": "RANDOM", "prefix-aware": "PREFIX_AWARE"}
 
 
 def inference_ami(spec: EndpointSpec) -> Optional[str]:
@@ -192,8 +212,10 @@ def endpoint_config_request(spec: EndpointSpec, stamp: str) -> dict[str, Any]:
             raise ValueError(f"routing {spec.routing!r}: choose one of {sorted(ROUTING)}")
         routing: dict[str, Any] = {"RoutingStrategy": ROUTING[spec.routing]}
         if spec.routing == "prefix-aware":
-            routing["PrefixAwareRoutingConfig"] = {"PrefixLength": spec.prefix_length,
-                                                   "ConcurrencyThreshold": spec.concurrency_threshold}
+            routing["PrefixAwareRoutingConfig"] = {
+                "PrefixLength": spec.prefix_length,
+                "ConcurrencyThreshold": spec.concurrency_threshold,
+            }
         variant["RoutingConfig"] = routing
     req: dict[str, Any] = {"EndpointConfigName": model_name(spec, stamp), "ProductionVariants": [variant]}
     if spec.tags:
@@ -226,8 +248,13 @@ def _beyond_botocore(value: Any, shape, path: str):
         for i, item in enumerate(value):
             yield from _beyond_botocore(item, shape.member, f"{path}[{i}]")
     high = shape.metadata.get("max")
-    size = value if shape.type_name in ("integer", "long") else len(value) if shape.type_name in (
-        "string", "list", "map") else None
+    size = (
+        value
+        if shape.type_name in ("integer", "long")
+        else len(value)
+        if shape.type_name in ("string", "list", "map")
+        else None
+    )
     if high is not None and size is not None and size > high:
         yield f"{path}: {size} is over the service's maximum {high}"
     if getattr(shape, "enum", None) and value not in shape.enum:

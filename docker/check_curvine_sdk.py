@@ -27,9 +27,11 @@ def check_stubs() -> tuple[int, int]:
     """Import every ``*_pb2`` module of the SDK and round-trip each message type through
     its wire format; returns (modules, message types)."""
     package = importlib.import_module(STUBS)
-    modules: list[ModuleType] = [importlib.import_module(f"{STUBS}.{info.name}")
-                                 for info in pkgutil.iter_modules(package.__path__)
-                                 if info.name.endswith("_pb2")]
+    modules: list[ModuleType] = [
+        importlib.import_module(f"{STUBS}.{info.name}")
+        for info in pkgutil.iter_modules(package.__path__)
+        if info.name.endswith("_pb2")
+    ]
     if not modules:
         raise ImportError(f"{STUBS} holds no generated *_pb2 modules")
     messages = 0
@@ -43,8 +45,9 @@ def check_stubs() -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stubs-only", action="store_true",
-                        help="check the generated modules without importing curvinefs")
+    parser.add_argument(
+        "--stubs-only", action="store_true", help="check the generated modules without importing curvinefs"
+    )
     args = parser.parse_args(argv)
     try:
         if not args.stubs_only:
@@ -52,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         modules, messages = check_stubs()
         from google.protobuf import __version__ as protobuf_version
     except Exception as e:  # any failure is the same verdict: the SDK does not work here
-        print(f"check_curvine_sdk: Curvine's Python SDK does not work in {sys.executable}: "
-              f"{type(e).__name__}: {e}", file=sys.stderr)
+        print(
+            f"check_curvine_sdk: Curvine's Python SDK does not work in {sys.executable}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         return 1
     what = "generated modules" if args.stubs_only else "curvinefs and its generated modules"
-    print(f"check_curvine_sdk: {what} ok: {modules} modules, {messages} message types "
-          f"round-tripped under protobuf {protobuf_version}")
+    print(
+        f"check_curvine_sdk: {what} ok: {modules} modules, {messages} message types "
+        f"round-tripped under protobuf {protobuf_version}"
+    )
     return 0
 
 

@@ -15,7 +15,7 @@ import urllib.request
 
 def ping_url(env=os.environ) -> str:
     host = env.get("SERVING_HOST") or "127.0.0.1"
-    if host in ("0.0.0.0", "::"):   # listening everywhere: ask over loopback
+    if host in ("0.0.0.0", "::"):  # listening everywhere: ask over loopback
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"

@@ -42,7 +42,7 @@ from serving.leftovers import remove_leftovers
 log = logging.getLogger("serving")
 
 
-CUT_GRACE_S = 2.0   # after the drain deadline: time for the cut requests' 503s to go out
+CUT_GRACE_S = 2.0  # after the drain deadline: time for the cut requests' 503s to go out
 
 
 class DrainingServer(uvicorn.Server):
@@ -75,8 +75,12 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.signal is not None:  # logged here, on the event loop, not in the handler
-            log.info("signal %s: draining %d request(s) in flight (up to %.0f s)",
-                     self.signal, self.gate.in_flight, self.drain_s)
+            log.info(
+                "signal %s: draining %d request(s) in flight (up to %.0f s)",
+                self.signal,
+                self.gate.in_flight,
+                self.drain_s,
+            )
             self.signal = None
         if not self.should_exit:
             now = time.monotonic()
@@ -86,21 +90,25 @@ class DrainingServer(uvicorn.Server):
                 self._stop("drained: no request in flight")
             elif self.gate.draining and now >= self.deadline:
                 if not self.gate.cut.is_set():
-                    log.warning("%s: cutting %d request(s) still in flight (each answers 503)",
-                                "the engine died" if self.engine_died else "drain deadline passed",
-                                self.gate.in_flight)
+                    log.warning(
+                        "%s: cutting %d request(s) still in flight (each answers 503)",
+                        "the engine died" if self.engine_died else "drain deadline passed",
+                        self.gate.in_flight,
+                    )
                     self.gate.cut_all()
                 elif now >= self.deadline + CUT_GRACE_S:
-                    self._stop(f"{self.gate.in_flight} cut request(s) still open after "
-                               f"{CUT_GRACE_S:.0f} s")
+                    self._stop(f"{self.gate.in_flight} cut request(s) still open after {CUT_GRACE_S:.0f} s")
             elif self.engine.state is State.FAILED:
                 self._stop(f"the engine failed: {self.engine.error}")
         return await super().on_tick(counter)
 
     def _engine_died(self, now: float) -> None:
         """The engine died while serving: drain with no grace (on_tick, event loop)."""
-        log.error("the engine died (see vLLM's log above): answering %d request(s) in flight "
-                  "with 503, then exiting 1 so that the server is replaced", self.gate.in_flight)
+        log.error(
+            "the engine died (see vLLM's log above): answering %d request(s) in flight "
+            "with 503, then exiting 1 so that the server is replaced",
+            self.gate.in_flight,
+        )
         self.engine_died = self.gate.engine_died = self.gate.draining = True
         self.deadline = min(self.deadline, now) if self.deadline else now
 
@@ -112,11 +120,9 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
-    p.add_argument("--print-config", action="store_true",
-                   help="print the configuration and tier plan, then exit")
+    p.add_argument("--print-config", action="store_true", help="print the configuration and tier plan, then exit")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_serving_config()
     except ConfigError as e:
@@ -132,10 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config)
     engine: Engine = app.state.engine
     server = DrainingServer(
-        uvicorn.Config(app, host=config.http.host, port=config.http.port,
-                       log_level=config.http.log_level.lower(), access_log=False,
-                       timeout_graceful_shutdown=3, lifespan="on"),
-        app.state.gate, engine, config.http.drain_timeout_s)
+        uvicorn.Config(
+            app,
+            host=config.http.host,
+            port=config.http.port,
+            log_level=config.http.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=3,
+            lifespan="on",
+        ),
+        app.state.gate,
+        engine,
+        config.http.drain_timeout_s,
+    )
     server.run()
     if engine.state is State.FAILED:
         print(f"engine failed: {engine.error}", file=sys.stderr)

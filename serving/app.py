@@ -44,8 +44,13 @@ def build_metrics(config: ServingConfig) -> ServingMetrics:
     # The tiers the connector enables, fastest first (their names label the metrics).
     order = tuple(t.name for t in config.plan.cache.tiers()) if config.plan is not None else ()
     fp = config.footprint
-    return ServingMetrics(fp.bytes_per_token if fp else None, order, NvmlEnergy.try_create(),
-                          fp.bytes_per_request if fp else None, _pins(config))
+    return ServingMetrics(
+        fp.bytes_per_token if fp else None,
+        order,
+        NvmlEnergy.try_create(),
+        fp.bytes_per_request if fp else None,
+        _pins(config),
+    )
 
 
 def _pins(config: ServingConfig):
@@ -78,8 +83,9 @@ def load_standards(http: HttpSettings):
     return standards
 
 
-def create_app(config: ServingConfig, engine: Optional[Engine] = None,
-               metrics_: Optional[ServingMetrics] = None) -> FastAPI:
+def create_app(
+    config: ServingConfig, engine: Optional[Engine] = None, metrics_: Optional[ServingMetrics] = None
+) -> FastAPI:
     registry = metrics_ or build_metrics(config)
     gate = Gate()
 
@@ -90,10 +96,12 @@ def create_app(config: ServingConfig, engine: Optional[Engine] = None,
         gate.draining = True
         await app.state.engine.stop(start_task=start)
 
-    app = FastAPI(title="SageMaker tiered-KV-cache LLM server", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine = engine or Engine(config.engine, registry.observe,
-                                        config.http.startup_timeout_s, vllm_state=app.state)
+    app = FastAPI(
+        title="SageMaker tiered-KV-cache LLM server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.engine = engine or Engine(
+        config.engine, registry.observe, config.http.startup_timeout_s, vllm_state=app.state
+    )
     app.state.gate, app.state.metrics, app.state.config = gate, registry, config
     if config.engine.warm_dram_bytes:
         registry.watch_dram_warm(lambda: app.state.engine.dram_warm)
@@ -102,8 +110,13 @@ def create_app(config: ServingConfig, engine: Optional[Engine] = None,
     for r in (ping.router(standards), invocations.router(standards), openai.router(), metrics.router()):
         app.include_router(r)
     _error_handlers(app)
-    app.add_middleware(RequestGuard, gate=gate, metrics=registry,
-                       max_body=config.http.max_payload_bytes, guarded=MODEL_ROUTES.__contains__)
+    app.add_middleware(
+        RequestGuard,
+        gate=gate,
+        metrics=registry,
+        max_body=config.http.max_payload_bytes,
+        guarded=MODEL_ROUTES.__contains__,
+    )
     return standards.bootstrap(app)
 
 

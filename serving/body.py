@@ -35,12 +35,12 @@ import math
 import re
 from typing import Any
 
-MAX_JSON_DEPTH = 64          # nesting of arrays and objects; OpenAI bodies need < 20
-MAX_NUMBER_DIGITS = 64       # digits in one JSON number (a 64-bit seed has 20)
-INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects; OpenAI bodies need < 20
+MAX_NUMBER_DIGITS = 64  # digits in one JSON number (a 64-bit seed has 20)
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 UTF8 = ("utf-8", "utf-8-sig")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")   # \ud800 .. \udfff in the JSON text
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")       # what is left of one after parsing
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 .. \udfff in the JSON text
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left of one after parsing
 DEEP = f"the body nests arrays and objects more than {MAX_JSON_DEPTH} deep"
 LONG = f"a number in the body has more than {MAX_NUMBER_DIGITS} digits"
 
@@ -105,23 +105,23 @@ def bound(root: Any, strings: bool = True) -> None:
                     raise BodyError(_int_range(child))
             elif kind is float:
                 if not math.isfinite(child):
-                    raise BodyError("a number in the body is out of range: it does not fit in "
-                                    "a 64-bit float")
+                    raise BodyError("a number in the body is out of range: it does not fit in a 64-bit float")
             elif strings and kind is str:
                 _check_string(child)
 
 
 def _check_string(value: Any) -> None:
     if isinstance(value, str) and _LONE_SURROGATE.search(value):
-        raise BodyError("a string in the body holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
-                        "escape without its pair), which is not text")
+        raise BodyError(
+            "a string in the body holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+            "escape without its pair), which is not text"
+        )
 
 
 def _int_range(value: int) -> str:
-    if abs(value) >= 10 ** MAX_NUMBER_DIGITS:
+    if abs(value) >= 10**MAX_NUMBER_DIGITS:
         return f"malformed JSON: {LONG}"
-    return (f"an integer in the body is out of range: {value} does not fit in 64 bits "
-            "(-2**63 to 2**63 - 1)")
+    return f"an integer in the body is out of range: {value} does not fit in 64 bits (-2**63 to 2**63 - 1)"
 
 
 def _constant(name: str) -> Any:

@@ -39,24 +39,24 @@ RESERVED_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
 
 @dataclass(frozen=True)
 class ChatPin:
-    message: int      # index of the last marked message
+    message: int  # index of the last marked message
     ttl_s: float
-    last: bool        # the marked message is the last one: the whole prompt is pinned
+    last: bool  # the marked message is the last one: the whole prompt is pinned
 
 
 def _ttl(mark: Any, where: str) -> float:
     if not isinstance(mark, dict):
-        raise ClientError(f"{where}: must be an object like {{\"type\": \"ephemeral\", \"ttl\": \"5m\"}}")
+        raise ClientError(f'{where}: must be an object like {{"type": "ephemeral", "ttl": "5m"}}')
     if mark.get("type") != "ephemeral":
-        raise ClientError(f"{where}.type: {mark.get('type')!r} is not a cache control type; the one "
-                          "type is 'ephemeral'")
+        raise ClientError(
+            f"{where}.type: {mark.get('type')!r} is not a cache control type; the one type is 'ephemeral'"
+        )
     unknown = sorted(set(mark) - {"type", "ttl"})
     if unknown:
         raise ClientError(f"{where}: unknown fields {unknown} (type, ttl)")
     ttl = mark.get("ttl", "5m")
     if ttl not in TTL_NAMES:
-        raise ClientError(f"{where}.ttl: {ttl!r} is not a cache lifetime; use one of "
-                          f"{', '.join(map(repr, TTL_NAMES))}")
+        raise ClientError(f"{where}.ttl: {ttl!r} is not a cache lifetime; use one of {', '.join(map(repr, TTL_NAMES))}")
     return float(TTL_NAMES[ttl])
 
 
@@ -100,8 +100,7 @@ def check_transfer_params(req, chat_pin: Optional[ChatPin]) -> None:
         raise ClientError("ec_transfer_params: this server has no encoder-cache connector")
     reserved = sorted(set(getattr(req, "vllm_xargs", None) or {}) & RESERVED_XARGS)
     if reserved:
-        raise ClientError(f"vllm_xargs: {', '.join(reserved)} may not be set here (send "
-                          "kv_transfer_params itself)")
+        raise ClientError(f"vllm_xargs: {', '.join(reserved)} may not be set here (send kv_transfer_params itself)")
 
 
 def check_kv_params(params: Optional[dict], chat_pin: Optional[ChatPin]) -> None:
@@ -112,8 +111,9 @@ def check_kv_params(params: Optional[dict], chat_pin: Optional[ChatPin]) -> None
     except ParamsError as e:
         raise ClientError(f"kv_transfer_params: {e}") from None
     if chat_pin is not None and pin_ask(params) is not None:
-        raise ClientError("pin either with a message's cache_control or with kv_transfer_params' "
-                          "kvcache_pin_ttl, not both")
+        raise ClientError(
+            "pin either with a message's cache_control or with kv_transfer_params' kvcache_pin_ttl, not both"
+        )
 
 
 async def apply_chat_pin(chat, req, pin: ChatPin) -> None:
@@ -131,11 +131,18 @@ async def prefix_tokens(chat, req, message: int) -> int:
     template renders them without a generation prompt."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-    prefix = req.model_copy(update={"messages": req.messages[: message + 1], "add_generation_prompt": False,
-                                    "continue_final_message": False, "kv_transfer_params": None})
+    prefix = req.model_copy(
+        update={
+            "messages": req.messages[: message + 1],
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+            "kv_transfer_params": None,
+        }
+    )
     rendered = await chat.render_chat_request(prefix)
     if isinstance(rendered, ErrorResponse):
-        raise ClientError(f"messages.{message}.{CACHE_CONTROL}: the messages up to it do not render: "
-                          f"{rendered.error.message}")
+        raise ClientError(
+            f"messages.{message}.{CACHE_CONTROL}: the messages up to it do not render: {rendered.error.message}"
+        )
     _conversation, inputs = rendered
     return max(1, len(inputs[0].get("prompt_token_ids") or []))

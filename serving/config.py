@@ -56,35 +56,36 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ConfigError", "ServingConfig", "build_serving_config"]
 
-DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024      # SageMaker's real-time invocation limit
+DEFAULT_PAYLOAD_BYTES = 6 * 1024 * 1024  # SageMaker's real-time invocation limit
 # SageMaker's longest container start-up health check (ContainerStartupHealthCheckTimeoutInSeconds):
 # without SAGEMAKER_STARTUP_TIMEOUT the server never gives up before the platform does.
 PLATFORM_STARTUP_TIMEOUT_S = 3600
-DEFAULT_MAX_N = 16                            # SERVING_MAX_N: choices per request
-DRAIN_SECONDS = 15.0                          # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
-MAX_DRAIN_SECONDS = 18.0                      # SERVING_DRAIN_SECONDS above this cannot stop in time
+DEFAULT_MAX_N = 16  # SERVING_MAX_N: choices per request
+DRAIN_SECONDS = 15.0  # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
+MAX_DRAIN_SECONDS = 18.0  # SERVING_DRAIN_SECONDS above this cannot stop in time
+
 
 @dataclass(frozen=True)
 class HttpSettings:
     host: str = "0.0.0.0"
     port: int = 8080
     max_payload_bytes: int = DEFAULT_PAYLOAD_BYTES
-    invocation_timeout_s: float = 60.0      # a non-streamed request is aborted after this
-    startup_timeout_s: float = 3600.0       # the engine must be ready within this
+    invocation_timeout_s: float = 60.0  # a non-streamed request is aborted after this
+    startup_timeout_s: float = 3600.0  # the engine must be ready within this
     drain_timeout_s: float = DRAIN_SECONDS  # SIGTERM: time given to requests in flight
     log_level: str = "INFO"
-    sessions_enabled: bool = True           # SageMaker stateful sessions
+    sessions_enabled: bool = True  # SageMaker stateful sessions
     session_ttl_s: int = 1200
-    sessions_path: Optional[str] = None     # the standards library's session folder (its default: /dev/shm)
-    max_sessions: int = 1000                # open sessions at most (serving.sessions)
-    max_n: int = DEFAULT_MAX_N              # most choices one request may ask for (n)
+    sessions_path: Optional[str] = None  # the standards library's session folder (its default: /dev/shm)
+    max_sessions: int = 1000  # open sessions at most (serving.sessions)
+    max_n: int = DEFAULT_MAX_N  # most choices one request may ask for (n)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    vllm_args: tuple[str, ...]              # vLLM CLI arguments (its own parser checks them)
+    vllm_args: tuple[str, ...]  # vLLM CLI arguments (its own parser checks them)
     arg_sources: tuple[tuple[str, str], ...] = ()  # (--flag, variable that set it)
-    env: tuple[tuple[str, str], ...] = ()   # variables set for the engine processes
+    env: tuple[tuple[str, str], ...] = ()  # variables set for the engine processes
     served_model_name: str = "model"
     tensor_parallel_size: int = 1
     kvcache_enabled: bool = True
@@ -102,14 +103,16 @@ class ServingConfig:
     model: ModelSource
     http: HttpSettings
     engine: EngineSettings
-    plan: Optional[TierPlan]                # None when the tiered cache is disabled
+    plan: Optional[TierPlan]  # None when the tiered cache is disabled
     footprint: Optional[KVFootprint] = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     effects: tuple[tuple[str, str], ...] = ()  # (VARIABLE=value, what it set), for --print-config
 
     def describe(self) -> str:
-        lines = [f"model {self.model.model} (from {self.model.source}); served as "
-                 f"{self.engine.served_model_name!r}; port {self.http.port}"]
+        lines = [
+            f"model {self.model.model} (from {self.model.source}); served as "
+            f"{self.engine.served_model_name!r}; port {self.http.port}"
+        ]
         if self.effects:
             width = min(48, max(len(k) for k, _ in self.effects))
             lines.append("settings and what they set:")
@@ -119,8 +122,10 @@ class ServingConfig:
         if self.engine.warm_prompts:
             lines.append(f"warm-up before serving: {self.engine.warm_prompts} (KVCACHE_WARM_PROMPTS)")
         if self.engine.warm_dram_bytes:
-            lines.append(f"/ping healthy once DRAM holds the warm prompts and up to {self.engine.warm_dram_bytes:,} "
-                         "bytes of the hottest shared entries, or at the start-up timeout (KVCACHE_WARM_DRAM)")
+            lines.append(
+                f"/ping healthy once DRAM holds the warm prompts and up to {self.engine.warm_dram_bytes:,} "
+                "bytes of the hottest shared entries, or at the start-up timeout (KVCACHE_WARM_DRAM)"
+            )
         lines += [f"note: {n}" for n in self.notes]
         if self.plan is not None:
             lines.append(self.plan.format(self.model.model))
@@ -183,22 +188,24 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
             port = int(tk.inference_http_port)
             payload = tk.max_request_size
             timeout = tk.model_server_timeout_seconds or tk.model_server_timeout
-            startup = tk.startup_timeout if env.get(parameters.STARTUP_TIMEOUT_ENV) else \
-                PLATFORM_STARTUP_TIMEOUT_S
+            startup = tk.startup_timeout if env.get(parameters.STARTUP_TIMEOUT_ENV) else PLATFORM_STARTUP_TIMEOUT_S
             workers = tk.model_server_workers
     except ValueError as e:
         raise ConfigError(f"a SAGEMAKER_* setting is not a number: {e}") from None
     if not 0 < port < 65536:
         raise ConfigError(f"{parameters.BIND_TO_PORT_ENV}={port} is not a TCP port")
     if workers not in (None, "", "1"):
-        notes.append(f"{parameters.MODEL_SERVER_WORKERS_ENV}={workers} ignored: one engine "
-                     "per container batches every request")
+        notes.append(
+            f"{parameters.MODEL_SERVER_WORKERS_ENV}={workers} ignored: one engine per container batches every request"
+        )
     level = str(env.get(parameters.LOG_LEVEL_ENV) or "INFO").strip().upper()
     if level.isdigit():
         level = logging.getLevelName(int(level))
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ConfigError(f"{parameters.LOG_LEVEL_ENV}={env.get(parameters.LOG_LEVEL_ENV)!r} "
-                          "is not a log level (10/20/30/40 or DEBUG/INFO/WARNING/ERROR)")
+        raise ConfigError(
+            f"{parameters.LOG_LEVEL_ENV}={env.get(parameters.LOG_LEVEL_ENV)!r} "
+            "is not a log level (10/20/30/40 or DEBUG/INFO/WARNING/ERROR)"
+        )
     http = HttpSettings(
         host=env.get("SERVING_HOST") or "0.0.0.0",
         port=port,
@@ -214,8 +221,10 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         drain_timeout_s=float(_int(env, "SERVING_DRAIN_SECONDS", int(DRAIN_SECONDS), minimum=0)),
     )
     if http.drain_timeout_s > MAX_DRAIN_SECONDS:
-        raise ConfigError(f"SERVING_DRAIN_SECONDS={http.drain_timeout_s:.0f} leaves vLLM no time "
-                          f"to stop inside SageMaker's 30 s; at most {MAX_DRAIN_SECONDS:.0f}")
+        raise ConfigError(
+            f"SERVING_DRAIN_SECONDS={http.drain_timeout_s:.0f} leaves vLLM no time "
+            f"to stop inside SageMaker's 30 s; at most {MAX_DRAIN_SECONDS:.0f}"
+        )
     return http, notes
 
 
@@ -229,8 +238,9 @@ def _engine_cpu_kv_gib(env: Mapping[str, str], machine: Machine) -> Optional[int
     return max(1, min(8, machine.ram_bytes // (16 * GiB)))
 
 
-def _engine_kv_estimate(machine: Machine, args: dict[str, str], cpu_kv_gib: Optional[int],
-                        weights: Optional[int], footprint) -> Optional[int]:
+def _engine_kv_estimate(
+    machine: Machine, args: dict[str, str], cpu_kv_gib: Optional[int], weights: Optional[int], footprint
+) -> Optional[int]:
     """vLLM's own KV pool (L0) in bytes, as the plan shows it. ``--num-gpu-blocks-override``
     (``SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE``) fixes the engine's block count on either platform,
     whatever memory it was given: then it is that many blocks of ``--block-size`` tokens."""
@@ -260,8 +270,7 @@ def _engine_block_size(machine: Machine, args: dict[str, str], footprint) -> int
     return 128
 
 
-def _reserved_cpus(env: Mapping[str, str], machine: Machine, args: dict[str, str],
-                   kvcache: bool) -> Optional[int]:
+def _reserved_cpus(env: Mapping[str, str], machine: Machine, args: dict[str, str], kvcache: bool) -> Optional[int]:
     """The CPU build's cores kept off the model (``VLLM_CPU_NUM_OF_RESERVED_CPU``), chosen
     here rather than left to vLLM: it reserves one core per rank for its engine-core and
     API processes, and one *more* per rank whenever any KV connector is configured (meant
@@ -281,8 +290,7 @@ def _reserved_cpus(env: Mapping[str, str], machine: Machine, args: dict[str, str
 
 
 # -- the one builder ---------------------------------------------------------------
-def build_serving_config(env: Optional[Mapping[str, str]] = None,
-                         machine: Optional[Machine] = None) -> ServingConfig:
+def build_serving_config(env: Optional[Mapping[str, str]] = None, machine: Optional[Machine] = None) -> ServingConfig:
     """The one place that turns the environment and the machine into a ``ServingConfig``."""
     env = os.environ if env is None else env
     machine = machine or probe_machine()
@@ -312,8 +320,7 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     kvcache = cache_enabled(env)
     if "--kv-transfer-config" in user and kvcache:
         kvcache = False
-        notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; "
-                     "the tiered cache is off")
+        notes.append(f"{user_sources['--kv-transfer-config']} sets its own KV connector; the tiered cache is off")
 
     # Sizing: the model's KV footprint against the machine.
     footprint = None
@@ -331,19 +338,26 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
     weights = weights_bytes(model.local_dir)
     plan = None
     if kvcache:
-        plan = plan_tiers(env, machine, footprint, weights_bytes=weights,
-                          engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
-                          engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights, footprint),
-                          engine_kv_blocks=user.get("--num-gpu-blocks-override"),
-                          reserved_cpus=_reserved_cpus(env, machine, {**args, **user}, kvcache),
-                          context_tokens=context)
+        plan = plan_tiers(
+            env,
+            machine,
+            footprint,
+            weights_bytes=weights,
+            engine_cpu_kv_bytes=(cpu_kv_gib or 0) * GiB,
+            engine_kv_bytes=_engine_kv_estimate(machine, user, cpu_kv_gib, weights, footprint),
+            engine_kv_blocks=user.get("--num-gpu-blocks-override"),
+            reserved_cpus=_reserved_cpus(env, machine, {**args, **user}, kvcache),
+            context_tokens=context,
+        )
         args["--kv-transfer-config"] = json.dumps(kv_transfer_config(plan.cache))
     warm = warm_prompts(env, plan.cache if plan is not None else None)
     warm_bytes = warm_dram(env, plan.cache if plan is not None else None)
     if warm_bytes:  # the worker methods the DRAM warm-up calls (cache.vllm.warm_rpc)
         if "--worker-extension-cls" in user:
-            raise ConfigError(f"KVCACHE_WARM_DRAM needs vLLM's --worker-extension-cls for the cache's "
-                              f"worker methods; {user_sources['--worker-extension-cls']} sets another")
+            raise ConfigError(
+                f"KVCACHE_WARM_DRAM needs vLLM's --worker-extension-cls for the cache's "
+                f"worker methods; {user_sources['--worker-extension-cls']} sets another"
+            )
         args["--worker-extension-cls"] = WORKER_EXTENSION
         sources["--worker-extension-cls"] = "KVCACHE_WARM_DRAM"
 
@@ -369,5 +383,4 @@ def build_serving_config(env: Optional[Mapping[str, str]] = None,
         warm_dram_bytes=warm_bytes,
         model_source=model,
     )
-    return ServingConfig(model, http, engine, plan, footprint, tuple(notes),
-                         effects(env, model, engine, http))
+    return ServingConfig(model, http, engine, plan, footprint, tuple(notes), effects(env, model, engine, http))

@@ -44,10 +44,12 @@ LMI_ALIASES: dict[str, Optional[str]] = {
 LMI_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # TGI's --quantize values that vLLM names differently (others pass through to vLLM's parser).
 TGI_QUANTIZE = {"bitsandbytes-nf4": "bitsandbytes", "bitsandbytes-fp4": "bitsandbytes"}
-TGI_SETTINGS = {"HF_MODEL_QUANTIZE": "--quantization",
-                "HF_MODEL_TRUST_REMOTE_CODE": "--trust-remote-code",
-                "MAX_TOTAL_TOKENS": "--max-model-len",
-                "MAX_BATCH_PREFILL_TOKENS": "--max-num-batched-tokens"}
+TGI_SETTINGS = {
+    "HF_MODEL_QUANTIZE": "--quantization",
+    "HF_MODEL_TRUST_REMOTE_CODE": "--trust-remote-code",
+    "MAX_TOTAL_TOKENS": "--max-model-len",
+    "MAX_BATCH_PREFILL_TOKENS": "--max-num-batched-tokens",
+}
 MODEL_OPTIONS = ("OPTION_MODEL_ID", "SM_VLLM_MODEL")  # the model itself: serving.model
 
 
@@ -75,7 +77,7 @@ def read_serving_properties(model_dir: str) -> dict[str, str]:
             raise ConfigError(f"{path}, line {n}: not a key=value line")
         key = key.strip()
         if key.startswith("option."):
-            out["OPTION_" + key[len("option."):].upper().replace(".", "_")] = value.strip()
+            out["OPTION_" + key[len("option.") :].upper().replace(".", "_")] = value.strip()
         elif key == "engine":
             out["OPTION_ENGINE"] = value.strip()
     return out
@@ -115,7 +117,7 @@ def engine_args(env: Mapping[str, str], gpus: int) -> tuple[dict[str, str], dict
     _check_tgi_lengths(env, notes)
     for prefix in ("OPTION_", "SM_VLLM_"):
         for var in sorted(k for k in env if k.startswith(prefix)):
-            name = var[len(prefix):].lower()
+            name = var[len(prefix) :].lower()
             value = str(env[var]).strip()
             if not name or var in MODEL_OPTIONS:
                 continue
@@ -136,16 +138,20 @@ def engine_args(env: Mapping[str, str], gpus: int) -> tuple[dict[str, str], dict
 
 def _check_tgi_lengths(env: Mapping[str, str], notes: list[str]) -> None:
     raw_in, raw_total = env.get("MAX_INPUT_LENGTH"), env.get("MAX_TOTAL_TOKENS")
-    for var, raw in (("MAX_INPUT_LENGTH", raw_in), ("MAX_TOTAL_TOKENS", raw_total),
-                     ("MAX_BATCH_PREFILL_TOKENS", env.get("MAX_BATCH_PREFILL_TOKENS"))):
+    for var, raw in (
+        ("MAX_INPUT_LENGTH", raw_in),
+        ("MAX_TOTAL_TOKENS", raw_total),
+        ("MAX_BATCH_PREFILL_TOKENS", env.get("MAX_BATCH_PREFILL_TOKENS")),
+    ):
         if raw and not str(raw).strip().isdigit():
             raise ConfigError(f"{var}={raw!r} must be a positive integer")
     if raw_in and raw_total and int(raw_in) >= int(raw_total):
-        raise ConfigError(f"MAX_INPUT_LENGTH={raw_in} must be below MAX_TOTAL_TOKENS={raw_total} "
-                          "(as TGI requires)")
+        raise ConfigError(f"MAX_INPUT_LENGTH={raw_in} must be below MAX_TOTAL_TOKENS={raw_total} (as TGI requires)")
     if raw_in:
-        notes.append(f"MAX_INPUT_LENGTH={raw_in}: vLLM bounds prompt plus output by "
-                     "--max-model-len (MAX_TOTAL_TOKENS), not the prompt alone")
+        notes.append(
+            f"MAX_INPUT_LENGTH={raw_in}: vLLM bounds prompt plus output by "
+            "--max-model-len (MAX_TOTAL_TOKENS), not the prompt alone"
+        )
 
 
 def render(args: Mapping[str, str]) -> tuple[str, ...]:

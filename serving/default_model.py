@@ -55,9 +55,7 @@ def build_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token=None
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return len(vocab)
@@ -68,6 +66,7 @@ def ensure_model(path: str | os.PathLike, shape: ModelShape = ModelShape()) -> P
 
     Safe to call from several processes (see ``ensure_generated``).
     """
+
     def build(tmp: Path) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM

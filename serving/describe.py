@@ -24,8 +24,14 @@ HTTP_VARIABLES = (
     ("SERVING_MAX_N", "most choices per request (n)", lambda h: str(h.max_n)),
     ("SERVING_DRAIN_SECONDS", "drain deadline after SIGTERM (s)", lambda h: f"{h.drain_timeout_s:.0f}"),
 )
-SHOWN_DEFAULTS = ("SAGEMAKER_BIND_TO_PORT", "SAGEMAKER_MODEL_SERVER_TIMEOUT", "SAGEMAKER_STARTUP_TIMEOUT",
-                  "SAGEMAKER_MAX_PAYLOAD_IN_MB", "SERVING_MAX_N", "SERVING_DRAIN_SECONDS")
+SHOWN_DEFAULTS = (
+    "SAGEMAKER_BIND_TO_PORT",
+    "SAGEMAKER_MODEL_SERVER_TIMEOUT",
+    "SAGEMAKER_STARTUP_TIMEOUT",
+    "SAGEMAKER_MAX_PAYLOAD_IN_MB",
+    "SERVING_MAX_N",
+    "SERVING_DRAIN_SECONDS",
+)
 
 
 def _rendered(flag: str, value: str) -> str:
@@ -36,9 +42,13 @@ def _rendered(flag: str, value: str) -> str:
 def effects(env: Mapping[str, str], model, engine, http) -> tuple[tuple[str, str], ...]:
     """``(setting, effect)`` pairs; a setting left unset shows as ``NAME (default)``."""
     out: list[tuple[str, str]] = []
-    name = (f"{model.source}={env.get(model.source)}" if model.source in env
-            else f"model folder {model.source}" if model.source != "default"
-            else "no model named, no SageMaker model folder")
+    name = (
+        f"{model.source}={env.get(model.source)}"
+        if model.source in env
+        else f"model folder {model.source}"
+        if model.source != "default"
+        else "no model named, no SageMaker model folder"
+    )
     what = f"--model {model.model}"
     if model.s3_uri:
         what += " (downloaded from S3 with boto3 before vLLM starts)"

@@ -28,24 +28,23 @@ from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5        # how often the workers are asked
-LOG_S = 10.0        # how often progress is logged
+POLL_S = 0.5  # how often the workers are asked
+LOG_S = 10.0  # how often progress is logged
 STOP_TIMEOUT_S = 10.0
 SETS = ("prompts", "hot")
 FIELDS = ("planned", "warm", "copied", "bytes", "absent", "skipped")
-ENDED = ("done", "stopped", "failed", "off")          # a worker's warm-up that ended
+ENDED = ("done", "stopped", "failed", "off")  # a worker's warm-up that ended
 STATES = ("warming", "done", "deadline", "failed", "stopped")
 
 
 class DramWarm:
     """One instance's DRAM warm-up, from the server: ``run`` once; ``cancel`` any time."""
 
-    def __init__(self, settings: EngineSettings, deadline: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: EngineSettings, deadline: float, clock: Callable[[], float] = time.monotonic) -> None:
         """``deadline``: ``clock()`` time at which ``/ping`` turns healthy whatever is warm."""
         self.settings, self.deadline, self.clock = settings, deadline, clock
         self.state = "warming"
-        self.ranks: list[dict] = []   # each worker's last status (cache.dram_warm.DramWarm.status)
+        self.ranks: list[dict] = []  # each worker's last status (cache.dram_warm.DramWarm.status)
         self._cancelled = False
 
     @property
@@ -72,17 +71,22 @@ class DramWarm:
         try:
             await self._run(client)
         except Exception as e:
-            log.error("DRAM warm-up failed (%s: %s); /ping reports healthy without it", type(e).__name__, e,
-                      exc_info=True)
+            log.error(
+                "DRAM warm-up failed (%s: %s); /ping reports healthy without it", type(e).__name__, e, exc_info=True
+            )
             self.state = "failed"
 
     async def _run(self, client: Any) -> None:
         path, budget = self.settings.warm_prompts, self.settings.warm_dram_bytes
         prompts = await asyncio.to_thread(_tokens, path, client.get_tokenizer()) if path else []
-        log.info("DRAM warm-up (KVCACHE_WARM_DRAM): copying the chunks of %d warm prompts and up to %s of "
-                 "the hottest shared entries into the DRAM tier; /ping answers 503 until it is done, at most "
-                 "%.0f s more (SAGEMAKER_STARTUP_TIMEOUT)", len(prompts), human_bytes(budget),
-                 max(0.0, self.deadline - self.clock()))
+        log.info(
+            "DRAM warm-up (KVCACHE_WARM_DRAM): copying the chunks of %d warm prompts and up to %s of "
+            "the hottest shared entries into the DRAM tier; /ping answers 503 until it is done, at most "
+            "%.0f s more (SAGEMAKER_STARTUP_TIMEOUT)",
+            len(prompts),
+            human_bytes(budget),
+            max(0.0, self.deadline - self.clock()),
+        )
         answer = await self._ask(client, "kvcache_warm_dram", {"prompts": prompts, "budget": budget})
         next_log = self.clock() + LOG_S
         while answer is not None:
@@ -117,10 +121,16 @@ class DramWarm:
         seconds = max((float(r.get("seconds") or 0) for r in self.ranks), default=0.0)
         notes = max((int(r.get("notes") or 0) for r in self.ranks), default=0)
         if failed or off:
-            log.warning("DRAM warm-up ended: %s; /ping reports healthy", "; ".join(
-                sorted({str(r.get("error") or r.get("state")) for r in failed + off})))
-        log.info("DRAM warm-up done in %.1f s (%d popularity notes read): %s; /ping reports healthy",
-                 seconds, notes, _describe(self.progress()))
+            log.warning(
+                "DRAM warm-up ended: %s; /ping reports healthy",
+                "; ".join(sorted({str(r.get("error") or r.get("state")) for r in failed + off})),
+            )
+        log.info(
+            "DRAM warm-up done in %.1f s (%d popularity notes read): %s; /ping reports healthy",
+            seconds,
+            notes,
+            _describe(self.progress()),
+        )
         self.state = "failed" if failed else "done"
 
     async def _cut(self, client: Any) -> None:
@@ -132,8 +142,12 @@ class DramWarm:
         except Exception as e:  # the log below says what was known before
             log.warning("DRAM warm-up: stopping the workers' copies failed: %s", e)
         p = self.progress()
-        log.warning("DRAM warm-up cut at the start-up deadline (SAGEMAKER_STARTUP_TIMEOUT); /ping reports "
-                    "healthy. Not warmed: %s. Warm: %s", _missing(p), _describe(p))
+        log.warning(
+            "DRAM warm-up cut at the start-up deadline (SAGEMAKER_STARTUP_TIMEOUT); /ping reports "
+            "healthy. Not warmed: %s. Warm: %s",
+            _missing(p),
+            _describe(p),
+        )
 
 
 def _tokens(path: str, tokenizer) -> list[list[int]]:
@@ -155,5 +169,7 @@ def _describe(p: dict[str, dict[str, int]]) -> str:
 
 
 def _missing(p: dict[str, dict[str, int]]) -> str:
-    return (f"{p['prompts']['planned'] - p['prompts']['warm']} of {p['prompts']['planned']} warm prompts' chunks, "
-            f"{p['hot']['planned'] - p['hot']['warm']} of {p['hot']['planned']} hottest shared entries")
+    return (
+        f"{p['prompts']['planned'] - p['prompts']['warm']} of {p['prompts']['planned']} warm prompts' chunks, "
+        f"{p['hot']['planned'] - p['hot']['warm']} of {p['hot']['planned']} hottest shared entries"
+    )

@@ -42,6 +42,7 @@ from serving.weights import with_weights_fingerprint
 class _State:
     """An attribute bag, for an engine used without an app (tests)."""
 
+
 log = logging.getLogger(__name__)
 
 
@@ -97,14 +98,19 @@ class ObservedEngine:
 class Engine:
     """Owns ``AsyncLLM`` and the OpenAI serving objects built on it."""
 
-    def __init__(self, settings: EngineSettings, on_finish: Callable[[RequestOutcome], None],
-                 startup_timeout_s: float = 600.0, vllm_state: Any = None) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        on_finish: Callable[[RequestOutcome], None],
+        startup_timeout_s: float = 600.0,
+        vllm_state: Any = None,
+    ) -> None:
         self.settings = settings
         self.on_finish = on_finish
         self.startup_timeout_s = startup_timeout_s
         self.state = State.STARTING
         self.error: Optional[BaseException] = None
-        self.client: Any = None           # vllm.v1.engine.async_llm.AsyncLLM
+        self.client: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         # Where vLLM's init_app_state puts its serving objects (OpenAIServingChat ...):
         # the app's own state, so that vLLM's endpoint functions, which look them up on
         # ``request.app.state``, find them.
@@ -112,7 +118,7 @@ class Engine:
         self.tasks: tuple[str, ...] = ()
         self.model_config: Any = None
         self.max_model_len: Optional[int] = None
-        self.warmup: Optional[Warmup] = None   # KVCACHE_WARM_PROMPTS, while it runs
+        self.warmup: Optional[Warmup] = None  # KVCACHE_WARM_PROMPTS, while it runs
         self.dram_warm: Optional[DramWarm] = None  # KVCACHE_WARM_DRAM, once the engine is ready
 
     # -- health (the /ping path: flags only) ---------------------------------------
@@ -152,8 +158,11 @@ class Engine:
                 self.state = State.READY
                 log.info("engine ready: serving %s", self.settings.served_model_name)
         except asyncio.TimeoutError:
-            self._fail(TimeoutError(f"the engine was not ready within {self.startup_timeout_s:.0f} s "
-                                    "(SAGEMAKER_STARTUP_TIMEOUT)"))
+            self._fail(
+                TimeoutError(
+                    f"the engine was not ready within {self.startup_timeout_s:.0f} s (SAGEMAKER_STARTUP_TIMEOUT)"
+                )
+            )
         except Exception as e:
             self._fail(e)
         if self.state is State.READY and self.settings.warm_dram_bytes:
@@ -192,8 +201,7 @@ class Engine:
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
         self.tasks = tuple(await self.client.get_supported_tasks())
-        await init_app_state(ObservedEngine(self.client, self.on_finish), self.vllm_state, args,
-                             self.tasks)
+        await init_app_state(ObservedEngine(self.client, self.on_finish), self.vllm_state, args, self.tasks)
         self.model_config = self.client.model_config
         self.max_model_len = self.model_config.max_model_len
 
@@ -217,8 +225,9 @@ class Engine:
         from vllm.entrypoints.generate.factories import get_generate_invocation_types
         from vllm.entrypoints.pooling.factories import get_pooling_invocation_types
 
-        return (get_generate_invocation_types(self.tasks, self.model_config)
-                + get_pooling_invocation_types(self.tasks, self.model_config))
+        return get_generate_invocation_types(self.tasks, self.model_config) + get_pooling_invocation_types(
+            self.tasks, self.model_config
+        )
 
     # -- shutdown ----------------------------------------------------------------------
     async def stop(self, timeout_s: float = 10.0, start_task: Optional[asyncio.Task] = None) -> None:

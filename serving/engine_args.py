@@ -27,12 +27,12 @@ def known_lmi_options(settings: EngineSettings, known: set[str]) -> list[str]:
     while i < len(args):
         token = args[i]
         takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        name = token if token in sources else "--" + token[len("--no-"):]
+        name = token if token in sources else "--" + token[len("--no-") :]
         var = sources.get(name, "")
         if token.startswith("--") and var.startswith("OPTION_") and token not in known:
             log.info("%s: vLLM has no %s; ignored (an LMI option for another engine)", var, token)
         else:
-            out += args[i:i + 2] if takes_value else [token]
+            out += args[i : i + 2] if takes_value else [token]
         i += 2 if takes_value else 1
     return out
 
@@ -46,10 +46,12 @@ def parse_engine_args(settings: EngineSettings):
     sources = dict(settings.arg_sources)
 
     def fail(message: str):
-        hint = [f"{flag} comes from {var}" for flag, var in sources.items()
-                if flag in message or flag.replace("--", "--no-", 1) in message]
-        raise ConfigError(f"vLLM rejects the engine arguments: {message}"
-                          + (f" ({'; '.join(hint)})" if hint else ""))
+        hint = [
+            f"{flag} comes from {var}"
+            for flag, var in sources.items()
+            if flag in message or flag.replace("--", "--no-", 1) in message
+        ]
+        raise ConfigError(f"vLLM rejects the engine arguments: {message}" + (f" ({'; '.join(hint)})" if hint else ""))
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="serving"))
     parser.error = fail  # argparse would print usage and exit

@@ -32,10 +32,19 @@ from fastapi.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
-KINDS = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeout",
-         413: "RequestEntityTooLarge", 415: "UnsupportedMediaType",
-         422: "UnprocessableEntityError", 424: "FailedDependency", 500: "InternalServerError",
-         501: "NotImplementedError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+KINDS = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    408: "RequestTimeout",
+    413: "RequestEntityTooLarge",
+    415: "UnsupportedMediaType",
+    422: "UnprocessableEntityError",
+    424: "FailedDependency",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
 
 
 class ClientError(Exception):
@@ -56,18 +65,17 @@ def kind_of(status: int) -> str:
         return "Error"
 
 
-def error_body(status: int, message: str, kind: Optional[str] = None,
-               param: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, kind: Optional[str] = None, param: Optional[str] = None) -> dict:
     err: dict[str, Any] = {"message": message, "type": kind or kind_of(status), "code": status}
     if param is not None:
         err["param"] = param
     return {"error": err}
 
 
-def error_response(status: int, message: str, kind: Optional[str] = None,
-                   headers: Optional[dict] = None, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind, param), status_code=status,
-                        headers=headers)
+def error_response(
+    status: int, message: str, kind: Optional[str] = None, headers: Optional[dict] = None, param: Optional[str] = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status, headers=headers)
 
 
 def validation_message(e) -> str:

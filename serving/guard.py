@@ -35,8 +35,7 @@ OFF_LOOP_BYTES = 256 * 1024  # larger bodies are checked in a thread
 
 
 SHUTTING_DOWN = "the server is shutting down"
-ENGINE_DIED = ("the engine died: this server process exits so that it is replaced; retry "
-               "the request")
+ENGINE_DIED = "the engine died: this server process exits so that it is replaced; retry the request"
 
 
 class Gate:
@@ -46,7 +45,7 @@ class Gate:
     def __init__(self) -> None:
         self.in_flight = 0
         self.draining = False
-        self.engine_died = False    # draining because the engine died (not a SIGTERM)
+        self.engine_died = False  # draining because the engine died (not a SIGTERM)
         self.cut = asyncio.Event()  # set at the drain deadline: requests still running end with 503
 
     def cut_all(self) -> None:
@@ -67,8 +66,9 @@ class RequestGuard:
     """Pure ASGI middleware (see the module docstring). ``guarded(path)`` says which
     POST routes it applies to; everything else passes untouched."""
 
-    def __init__(self, app, *, gate: Gate, metrics: ServingMetrics, max_body: int,
-                 guarded: Callable[[str], bool]) -> None:
+    def __init__(
+        self, app, *, gate: Gate, metrics: ServingMetrics, max_body: int, guarded: Callable[[str], bool]
+    ) -> None:
         self.app, self.gate, self.metrics = app, gate, metrics
         self.max_body, self.guarded = max_body, guarded
 
@@ -100,8 +100,9 @@ class RequestGuard:
         finally:
             self.gate.in_flight -= 1
             self.metrics.in_flight.dec()
-            self.metrics.invocations.labels(state.get("shape", "unknown"),
-                                            str(status[0] if status else CLIENT_LEFT)).inc()
+            self.metrics.invocations.labels(
+                state.get("shape", "unknown"), str(status[0] if status else CLIENT_LEFT)
+            ).inc()
 
     async def _admit(self, scope, receive):
         """``(refusal, None)`` or ``(None, body)``."""
@@ -110,8 +111,7 @@ class RequestGuard:
         headers = _headers(scope["headers"])
         ctype = headers.get("content-type", "")
         if not is_json(ctype):
-            return error_response(415, f"Content-Type {ctype!r} is not JSON; send "
-                                  "application/json"), None
+            return error_response(415, f"Content-Type {ctype!r} is not JSON; send application/json"), None
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
             return _too_large(int(declared), self.max_body), None
@@ -129,8 +129,7 @@ class RequestGuard:
                 break
         body = b"".join(parts)
         # A large body is scanned and parsed off the event loop (6 MiB: ~0.1 s of CPU).
-        refusal, payload = await asyncio.to_thread(_check, body) if len(body) > OFF_LOOP_BYTES \
-            else _check(body)
+        refusal, payload = await asyncio.to_thread(_check, body) if len(body) > OFF_LOOP_BYTES else _check(body)
         if payload is not None and "requestType" in payload:
             scope["state"]["shape"] = "session"  # answered by the standards library, not a route of ours
         return refusal, (body if refusal is None else None)
@@ -153,8 +152,7 @@ async def _client_left(scope, receive, send) -> None:
 
 def _too_large(declared: Optional[int], limit: int):
     what = f"request body of {declared:,} bytes" if declared else "request body"
-    return error_response(413, f"{what} is over the {limit:,}-byte payload limit "
-                          "(SAGEMAKER_MAX_PAYLOAD_IN_MB)")
+    return error_response(413, f"{what} is over the {limit:,}-byte payload limit (SAGEMAKER_MAX_PAYLOAD_IN_MB)")
 
 
 def _headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:

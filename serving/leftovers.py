@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 MIN_AGE_S = 60.0
 FILE_STORE = "vllm_dist_"
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-_held_stores: list[IO[bytes]] = []   # this server's own engine's file stores (engine_ready)
+_held_stores: list[IO[bytes]] = []  # this server's own engine's file stores (engine_ready)
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,16 @@ class Held:
         return str(path) in self.paths or (st.st_dev, st.st_ino) in self.inodes
 
 
-def candidates(shm: str = "/dev/shm", tmp: Optional[str] = None,
-               rpc: Optional[str] = None) -> list[Path]:
+def candidates(shm: str = "/dev/shm", tmp: Optional[str] = None, rpc: Optional[str] = None) -> list[Path]:
     """The files vLLM may have left (held or not)."""
     tmp = tmp or tempfile.gettempdir()
     rpc = rpc or os.environ.get("VLLM_RPC_BASE_PATH") or tmp
     out: list[Path] = []
-    for folder, keep in ((shm, lambda n: n.startswith(("psm_", "sem.mp-"))),
-                         (tmp, lambda n: n.startswith(FILE_STORE)),
-                         (rpc, lambda n: bool(_UUID.match(n)))):
+    for folder, keep in (
+        (shm, lambda n: n.startswith(("psm_", "sem.mp-"))),
+        (tmp, lambda n: n.startswith(FILE_STORE)),
+        (rpc, lambda n: bool(_UUID.match(n))),
+    ):
         try:
             names = os.listdir(folder)
         except OSError:
@@ -100,7 +101,7 @@ def held(proc: str = "/proc") -> Held:
                 link = os.path.join(fd_dir, fd)
                 try:
                     out.paths.add(os.readlink(link).removesuffix(" (deleted)"))
-                    st = os.stat(link)   # the open file itself, deleted or renamed or not
+                    st = os.stat(link)  # the open file itself, deleted or renamed or not
                     out.inodes.add((st.st_dev, st.st_ino))
                 except OSError:
                     pass
@@ -127,8 +128,9 @@ def held(proc: str = "/proc") -> Held:
     return out
 
 
-def stale(paths: Iterable[Path], holders: Held, now: Optional[float] = None,
-          min_age_s: float = MIN_AGE_S) -> list[tuple[Path, int]]:
+def stale(
+    paths: Iterable[Path], holders: Held, now: Optional[float] = None, min_age_s: float = MIN_AGE_S
+) -> list[tuple[Path, int]]:
     """``(path, size)`` of the candidates nobody holds (module docstring)."""
     now = time.time() if now is None else now
     out = []
@@ -163,9 +165,15 @@ def remove_leftovers(**where) -> Removed:
         removed.append(str(path))
         size += nbytes
     if removed:
-        log.info("removed %d file(s) a killed vLLM left behind, %d bytes (%.0f MiB) of shared "
-                 "memory and rendezvous files no live process holds: %s%s", len(removed), size,
-                 size / 2**20, ", ".join(removed[:5]), " ..." if len(removed) > 5 else "")
+        log.info(
+            "removed %d file(s) a killed vLLM left behind, %d bytes (%.0f MiB) of shared "
+            "memory and rendezvous files no live process holds: %s%s",
+            len(removed),
+            size,
+            size / 2**20,
+            ", ".join(removed[:5]),
+            " ..." if len(removed) > 5 else "",
+        )
     return Removed(tuple(removed), size)
 
 

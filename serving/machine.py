@@ -18,6 +18,7 @@ from cache.config import memory_limit
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Gpu:
     name: str
@@ -26,7 +27,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Machine:
-    ram_bytes: int                 # the smaller of physical RAM and the cgroup limit
+    ram_bytes: int  # the smaller of physical RAM and the cgroup limit
     cpus: int
     gpus: tuple[Gpu, ...] = ()
 
@@ -52,8 +53,12 @@ def probe_gpus() -> tuple[Gpu, ...]:
             for i in range(pynvml.nvmlDeviceGetCount()):
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
                 name = pynvml.nvmlDeviceGetName(h)
-                gpus.append(Gpu(name.decode() if isinstance(name, bytes) else str(name),
-                                int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+                gpus.append(
+                    Gpu(
+                        name.decode() if isinstance(name, bytes) else str(name),
+                        int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                    )
+                )
             return tuple(gpus)
         finally:
             pynvml.nvmlShutdown()
@@ -63,14 +68,14 @@ def probe_gpus() -> tuple[Gpu, ...]:
         import torch
 
         if torch.cuda.is_available():
-            return tuple(Gpu(torch.cuda.get_device_name(i),
-                             int(torch.cuda.get_device_properties(i).total_memory))
-                         for i in range(torch.cuda.device_count()))
+            return tuple(
+                Gpu(torch.cuda.get_device_name(i), int(torch.cuda.get_device_properties(i).total_memory))
+                for i in range(torch.cuda.device_count())
+            )
     except Exception as e:  # pragma: no cover - broken CUDA install
         log.debug("torch.cuda unavailable: %s", e)
     return ()
 
 
 def probe_machine(gpus: Optional[tuple[Gpu, ...]] = None) -> Machine:
-    return Machine(ram_bytes=memory_limit(), cpus=_cpus(),
-                   gpus=probe_gpus() if gpus is None else gpus)
+    return Machine(ram_bytes=memory_limit(), cpus=_cpus(), gpus=probe_gpus() if gpus is None else gpus)

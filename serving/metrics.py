@@ -51,10 +51,10 @@ class RequestOutcome:
 
     prompt_tokens: int
     generated_tokens: int
-    cached_tokens: int                    # vLLM's num_cached_tokens (its prefix cache + ours)
+    cached_tokens: int  # vLLM's num_cached_tokens (its prefix cache + ours)
     loaded: Mapping[str, int] = field(default_factory=dict)  # tokens per tier of ours
     ttft_s: Optional[float] = None
-    in_flight: int = 0                    # engine requests in flight at its arrival, itself included
+    in_flight: int = 0  # engine requests in flight at its arrival, itself included
 
     def slowest_source(self, tier_order: tuple[str, ...]) -> str:
         """The slowest of our tiers that served part of the prompt; else ``vllm`` (the
@@ -101,13 +101,16 @@ class _EnergyCollector:
         joules = energy.joules()
         if joules is None:
             return
-        yield CounterMetricFamily("kvcache_gpu_energy_joules", "GPU energy used since the server "
-                                  "started (NVML), all GPUs", value=joules)
+        yield CounterMetricFamily(
+            "kvcache_gpu_energy_joules", "GPU energy used since the server started (NVML), all GPUs", value=joules
+        )
         tokens = self.m.generated_total
         if tokens:
-            yield GaugeMetricFamily("kvcache_energy_per_generated_token_joules", "GPU energy since "
-                                    "start divided by tokens generated since start (idle time "
-                                    "included)", value=joules / tokens)
+            yield GaugeMetricFamily(
+                "kvcache_energy_per_generated_token_joules",
+                "GPU energy since start divided by tokens generated since start (idle time included)",
+                value=joules / tokens,
+            )
 
 
 class _PinCollector:
@@ -126,11 +129,15 @@ class _PinCollector:
             log.debug("pin metrics: %s", e)
             return
         for name, doc, value in (
-                ("kvcache_pinned_bytes", "Bytes the live pins hold in the tier, every tenant together", used),
-                ("kvcache_pins", "Live pins in the tier, every tenant together", count),
-                ("kvcache_pin_limit_bytes", "Bytes pins may hold in the tier (KVCACHE_PIN_MAX)", self.book.limit),
-                ("kvcache_pin_tenant_limit_bytes", "Bytes one tenant's pins may hold in the tier "
-                 "(KVCACHE_PIN_TENANT_MAX of the allowance)", self.book.tenant_limit)):
+            ("kvcache_pinned_bytes", "Bytes the live pins hold in the tier, every tenant together", used),
+            ("kvcache_pins", "Live pins in the tier, every tenant together", count),
+            ("kvcache_pin_limit_bytes", "Bytes pins may hold in the tier (KVCACHE_PIN_MAX)", self.book.limit),
+            (
+                "kvcache_pin_tenant_limit_bytes",
+                "Bytes one tenant's pins may hold in the tier (KVCACHE_PIN_TENANT_MAX of the allowance)",
+                self.book.tenant_limit,
+            ),
+        ):
             family = GaugeMetricFamily(name, doc, labels=["tier"])
             family.add_metric([self.tier], value)
             yield family
@@ -140,7 +147,7 @@ class _DramWarmCollector:
     """At scrape time: the DRAM warm-up's state and progress (``serving.dram_warm``)."""
 
     def __init__(self, source: Callable[[], object]) -> None:
-        self.source = source   # the engine's DramWarm, None until the engine is ready
+        self.source = source  # the engine's DramWarm, None until the engine is ready
 
     def describe(self):
         return []
@@ -149,8 +156,11 @@ class _DramWarmCollector:
         from serving.dram_warm import STATES
 
         warm = self.source()
-        state = GaugeMetricFamily("kvcache_dram_warm_state", "The DRAM warm-up of KVCACHE_WARM_DRAM: 1 for its "
-                                  "state (starting: the engine is not ready yet)", labels=["state"])
+        state = GaugeMetricFamily(
+            "kvcache_dram_warm_state",
+            "The DRAM warm-up of KVCACHE_WARM_DRAM: 1 for its state (starting: the engine is not ready yet)",
+            labels=["state"],
+        )
         for name in ("starting",) + STATES:
             state.add_metric([name], 1.0 if (warm.state if warm is not None else "starting") == name else 0.0)
         yield state
@@ -158,11 +168,16 @@ class _DramWarmCollector:
             return
         progress = warm.progress()
         for name, doc, key in (
-                ("kvcache_dram_warm_planned_entries", "Entries the DRAM warm-up means to have in DRAM", "planned"),
-                ("kvcache_dram_warm_entries", "Entries the DRAM warm-up has in DRAM (copied or there already)", "warm"),
-                ("kvcache_dram_warm_bytes", "Bytes of the entries the DRAM warm-up has in DRAM", "bytes")):
-            family = GaugeMetricFamily(name, doc + ", every rank together, by set (prompts: the warm prompts' "
-                                       "chunks; hot: the hottest shared entries)", labels=["set"])
+            ("kvcache_dram_warm_planned_entries", "Entries the DRAM warm-up means to have in DRAM", "planned"),
+            ("kvcache_dram_warm_entries", "Entries the DRAM warm-up has in DRAM (copied or there already)", "warm"),
+            ("kvcache_dram_warm_bytes", "Bytes of the entries the DRAM warm-up has in DRAM", "bytes"),
+        ):
+            family = GaugeMetricFamily(
+                name,
+                doc + ", every rank together, by set (prompts: the warm prompts' "
+                "chunks; hot: the hottest shared entries)",
+                labels=["set"],
+            )
             for s, values in progress.items():
                 family.add_metric([s], values[key])
             yield family
@@ -176,8 +191,7 @@ class NvmlEnergy:
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                         for i in range(pynvml.nvmlDeviceGetCount())]
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         if not self._handles:
             raise RuntimeError("no GPU")
         self._start = self._millijoules()
@@ -209,37 +223,57 @@ class ServingMetrics:
     tier that keeps pins, None without one.
     """
 
-    def __init__(self, kv_bytes_per_token: Optional[int], tier_order: tuple[str, ...] = (),
-                 energy: Optional[NvmlEnergy] = None,
-                 kv_bytes_of: Optional[Callable[[int], int]] = None,
-                 pins: Optional[tuple["PinBook", str]] = None) -> None:
+    def __init__(
+        self,
+        kv_bytes_per_token: Optional[int],
+        tier_order: tuple[str, ...] = (),
+        energy: Optional[NvmlEnergy] = None,
+        kv_bytes_of: Optional[Callable[[int], int]] = None,
+        pins: Optional[tuple["PinBook", str]] = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.kv_bytes_per_token = kv_bytes_per_token
         # KV bytes of a request of n tokens (hybrid models: windows and state count once)
         self.kv_bytes_of = kv_bytes_of or (lambda n: n * (kv_bytes_per_token or 0))
         self.tier_order = tier_order
         self.energy = energy
-        self.generated_total = 0          # for energy per token (vLLM counts them on its registry)
+        self.generated_total = 0  # for energy per token (vLLM counts them on its registry)
         r = self.registry
-        self.requests = Counter("kvcache_requests", "Finished requests by the slowest tier that "
-                                "served part of their prefix", ["prefix_source"], registry=r)
+        self.requests = Counter(
+            "kvcache_requests",
+            "Finished requests by the slowest tier that served part of their prefix",
+            ["prefix_source"],
+            registry=r,
+        )
         self.request_kv_bytes = Histogram(
-            "kvcache_request_kv_bytes", "KV bytes of one request (prompt + generated tokens)",
-            buckets=[2.0 ** p for p in range(16, 38, 2)], registry=r)
+            "kvcache_request_kv_bytes",
+            "KV bytes of one request (prompt + generated tokens)",
+            buckets=[2.0**p for p in range(16, 38, 2)],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "kvcache_time_to_first_token_seconds", "Time to first token by the slowest tier "
-            "that served part of the prefix", ["prefix_source"],
-            buckets=TTFT_BUCKETS, registry=r)
+            "kvcache_time_to_first_token_seconds",
+            "Time to first token by the slowest tier that served part of the prefix",
+            ["prefix_source"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.ttft_by_load = Histogram(
-            "kvcache_time_to_first_token_by_load_seconds", "Time to first token by the requests in "
+            "kvcache_time_to_first_token_by_load_seconds",
+            "Time to first token by the requests in "
             "flight in the engine when the request arrived, itself included (bands: 1, 2, 3-4, 5-8 ...)",
-            ["in_flight"], buckets=TTFT_BUCKETS, registry=r)
+            ["in_flight"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         if kv_bytes_per_token:
-            Gauge("kvcache_kv_bytes_per_token", "KV bytes per token of the served model",
-                  registry=r).set(kv_bytes_per_token)
+            Gauge("kvcache_kv_bytes_per_token", "KV bytes per token of the served model", registry=r).set(
+                kv_bytes_per_token
+            )
         self.in_flight = Gauge("sagemaker_invocations_in_flight", "Invocations being served", registry=r)
-        self.invocations = Counter("sagemaker_invocations", "Invocations by request shape and "
-                                   "HTTP status", ["shape", "status"], registry=r)
+        self.invocations = Counter(
+            "sagemaker_invocations", "Invocations by request shape and HTTP status", ["shape", "status"], registry=r
+        )
         r.register(_EnergyCollector(self))
         if pins is not None:
             r.register(_PinCollector(*pins))

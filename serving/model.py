@@ -44,9 +44,9 @@ DEFAULT_DOWNLOAD_DIR = os.path.join(tempfile.gettempdir(), "sagemaker-tiered-kvc
 
 @dataclass(frozen=True)
 class ModelSource:
-    source: str                   # what named it: a variable, the SageMaker folder, or "default"
-    model: str                    # what vLLM gets as --model: hub id or local folder
-    served_name: str              # the name clients send as "model" (and metrics carry)
+    source: str  # what named it: a variable, the SageMaker folder, or "default"
+    model: str  # what vLLM gets as --model: hub id or local folder
+    served_name: str  # the name clients send as "model" (and metrics carry)
     revision: Optional[str] = None
     local_dir: Optional[str] = None
     s3_uri: Optional[str] = None  # fetched into local_dir by fetch_model before vLLM starts
@@ -88,15 +88,15 @@ def resolve_model(env: Mapping[str, str]) -> ModelSource:
             f"no model to serve: {sm_dir} holds no model (no config.json in it or in one folder "
             f"below it) and none of {', '.join(MODEL_VARIABLES)} is set. Ship the model as the "
             "model data (ModelDataUrl / ModelDataSource) or name it in HF_MODEL_ID; "
-            "SERVING_DEFAULT_MODEL=true serves a small random test model instead")
+            "SERVING_DEFAULT_MODEL=true serves a small random test model instead"
+        )
     from serving.default_model import ModelShape, ensure_model
 
     path = env.get("SERVING_DEFAULT_MODEL_DIR") or DEFAULT_MODEL_DIR
     try:
         ensure_model(path, ModelShape())
     except OSError as e:
-        raise ConfigError(f"SERVING_DEFAULT_MODEL_DIR={path!r}: cannot write the default model "
-                          f"there ({e})") from None
+        raise ConfigError(f"SERVING_DEFAULT_MODEL_DIR={path!r}: cannot write the default model there ({e})") from None
     return ModelSource("default", path, "default-model", local_dir=path)
 
 
@@ -111,12 +111,14 @@ def _named(var: str, value: str, revision: Optional[str], env: Mapping[str, str]
     if os.path.isdir(value):
         found = model_folder(value)
         if found is None:
-            raise ConfigError(f"{var}={value!r} is a folder without a model (no config.json in "
-                              "it or in one folder below it)")
+            raise ConfigError(
+                f"{var}={value!r} is a folder without a model (no config.json in it or in one folder below it)"
+            )
         return ModelSource(var, found, value, revision, found)
     if value.startswith(("/", ".")) or value.count("/") > 1:
-        raise ConfigError(f"{var}={value!r} is neither a folder here, an s3:// prefix, nor a "
-                          "Hugging Face hub id (org/name)")
+        raise ConfigError(
+            f"{var}={value!r} is neither a folder here, an s3:// prefix, nor a Hugging Face hub id (org/name)"
+        )
     return ModelSource(var, value, value, revision)
 
 
@@ -130,16 +132,14 @@ def hf_config(model: ModelSource, env: Mapping[str, str]) -> Optional[dict]:
             return load_hf_config(model.local_dir)
         from huggingface_hub import hf_hub_download
 
-        path = hf_hub_download(model.model, "config.json", revision=model.revision,
-                               token=env.get("HF_TOKEN") or None)
+        path = hf_hub_download(model.model, "config.json", revision=model.revision, token=env.get("HF_TOKEN") or None)
         return load_hf_config(path)
     except FootprintError as e:
         raise ConfigError(f"model {model.model}: {e}") from None
     except ConfigError:
         raise
     except Exception as e:  # offline, gated repo without token ...: size in bytes only
-        log.warning("could not read config.json of %s (%s); tiers sized in bytes only",
-                    model.model, e)
+        log.warning("could not read config.json of %s (%s); tiers sized in bytes only", model.model, e)
         return None
 
 
@@ -168,11 +168,10 @@ def fetch_model(model: ModelSource, only: Optional[tuple[str, ...]] = None, clie
     except (OSError, ValueError, TypeError):
         etags = {}
     try:
-        pages = s3.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=(prefix + "/") if prefix else "")
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=(prefix + "/") if prefix else "")
         for page in pages:
             for obj in page.get("Contents", ()):
-                rel = obj["Key"][len(prefix):].lstrip("/") if prefix else obj["Key"]
+                rel = obj["Key"][len(prefix) :].lstrip("/") if prefix else obj["Key"]
                 if not rel or rel.endswith("/") or (only and rel not in only):
                     continue
                 target = os.path.join(local_dir, rel)

@@ -50,12 +50,19 @@ GENERATE_SHAPES = ("chat", "completion", "tgi")
 # vLLM's pooling endpoints (``vllm.entrypoints.pooling``), by the name of the function
 # that serves them; /invocations tries them in vLLM's order for a body of no other shape.
 DONE = "data: [DONE]\n\n"
-GRAMMAR_FAILED = ("generation failed under the request's structured-output constraint "
-                  "(structured_outputs, response_format or tool_choice): its grammar left no "
-                  "token the model may produce next, or did not compile (a grammar such as "
-                  "'root ::= root' does this)")
-POOLING_ENDPOINTS = {"embeddings": "create_embedding", "classify": "create_classify",
-                     "rerank": "do_rerank", "score": "create_score", "pooling": "create_pooling"}
+GRAMMAR_FAILED = (
+    "generation failed under the request's structured-output constraint "
+    "(structured_outputs, response_format or tool_choice): its grammar left no "
+    "token the model may produce next, or did not compile (a grammar such as "
+    "'root ::= root' does this)"
+)
+POOLING_ENDPOINTS = {
+    "embeddings": "create_embedding",
+    "classify": "create_classify",
+    "rerank": "do_rerank",
+    "score": "create_score",
+    "pooling": "create_pooling",
+}
 
 
 def shape_of(body: dict, tasks: tuple[str, ...] = ("generate",)) -> str:
@@ -67,9 +74,11 @@ def shape_of(body: dict, tasks: tuple[str, ...] = ("generate",)) -> str:
                 return shape
     if any(t != "generate" for t in tasks):
         return "pooling"
-    raise ClientError('unknown request shape: send {"messages": [...]} (OpenAI chat), '
-                      '{"prompt": "..."} (OpenAI completion) or {"inputs": "...", '
-                      '"parameters": {...}} (TGI)')
+    raise ClientError(
+        'unknown request shape: send {"messages": [...]} (OpenAI chat), '
+        '{"prompt": "..."} (OpenAI completion) or {"inputs": "...", '
+        '"parameters": {...}} (TGI)'
+    )
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class Prepared:
     call: Callable[[Request], Awaitable[Any]]
     tgi: Optional[TgiRequest] = None
     stream: bool = False
-    constrained: bool = False   # decoded under a grammar (structured outputs, tools)
+    constrained: bool = False  # decoded under a grammar (structured outputs, tools)
 
 
 async def serve(request: Request, shape: str, payload: dict) -> Response:
@@ -93,8 +102,9 @@ async def serve(request: Request, shape: str, payload: dict) -> Response:
         prepared = _prepare(app, shape, payload)
     except Exception as e:
         return response_for(e, validating=True)
-    outcome, result = await race(request, prepared.call(request), gate,
-                                 None if prepared.stream else app.config.http.invocation_timeout_s)
+    outcome, result = await race(
+        request, prepared.call(request), gate, None if prepared.stream else app.config.http.invocation_timeout_s
+    )
     if outcome != "done":
         return _unfinished(outcome, app.config.http.invocation_timeout_s, gate)
     if isinstance(result, BaseException):
@@ -130,8 +140,7 @@ def _prepare(app, shape: str, payload: dict) -> Prepared:
     if shape in ("embeddings", "classify", "rerank", "score", "pooling"):
         return Prepared(_pooling_call(engine, shape, payload))
     if shape not in GENERATE_SHAPES or "generate" not in engine.tasks:
-        raise ClientError(f"this model does not serve {shape} requests (its tasks: "
-                          f"{', '.join(engine.tasks)})", 400)
+        raise ClientError(f"this model does not serve {shape} requests (its tasks: {', '.join(engine.tasks)})", 400)
     if shape == "tgi":
         tgi = parse_tgi(payload)
         payload = tgi_to_completion(tgi, served)
@@ -174,11 +183,13 @@ def _pooling_call(engine, shape: str, payload: dict):
     pooling request models the body validates as, in vLLM's order)."""
     import pydantic
 
-    candidates = [(t, ep) for t, (get_handler, ep) in engine.invocation_types()
-                  if shape == "pooling" or ep.__name__ == POOLING_ENDPOINTS[shape]]
+    candidates = [
+        (t, ep)
+        for t, (get_handler, ep) in engine.invocation_types()
+        if shape == "pooling" or ep.__name__ == POOLING_ENDPOINTS[shape]
+    ]
     if not candidates:
-        raise ClientError(f"this model does not serve {shape} requests (its tasks: "
-                          f"{', '.join(engine.tasks)})")
+        raise ClientError(f"this model does not serve {shape} requests (its tasks: {', '.join(engine.tasks)})")
     errors = []
     for request_type, endpoint in candidates:
         try:
@@ -193,17 +204,20 @@ def _pooling_call(engine, shape: str, payload: dict):
         return call
     if len(errors) == 1:
         raise errors[0]
-    raise ClientError("the body is none of the request shapes this model serves (chat, "
-                      "completion, TGI, or vLLM's pooling requests: "
-                      f"{', '.join(POOLING_ENDPOINTS)})")
+    raise ClientError(
+        "the body is none of the request shapes this model serves (chat, "
+        "completion, TGI, or vLLM's pooling requests: "
+        f"{', '.join(POOLING_ENDPOINTS)})"
+    )
 
 
 def _check_roles(messages: list) -> None:
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
         if role not in CHAT_ROLES:
-            raise ClientError(f"messages.{i}.role: {role!r} is not a chat role (one of "
-                              f"{', '.join(sorted(CHAT_ROLES))})")
+            raise ClientError(
+                f"messages.{i}.role: {role!r} is not a chat role (one of {', '.join(sorted(CHAT_ROLES))})"
+            )
 
 
 async def race(request: Request, work, gate, timeout_s: Optional[float]) -> tuple[str, Any]:
@@ -211,11 +225,12 @@ async def race(request: Request, work, gate, timeout_s: Optional[float]) -> tupl
     and the drain deadline (``cut``); the loser is cancelled (vLLM aborts the request).
     ``("done", result)``, where result is the exception ``work`` raised, if any."""
     task = asyncio.ensure_future(work)
-    watchers = {asyncio.ensure_future(_until_disconnect(request)): "gone",
-                asyncio.ensure_future(gate.cut.wait()): "cut"}
+    watchers = {
+        asyncio.ensure_future(_until_disconnect(request)): "gone",
+        asyncio.ensure_future(gate.cut.wait()): "cut",
+    }
     try:
-        done, _ = await asyncio.wait({task, *watchers}, timeout=timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, *watchers}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             exc = task.exception()
             return "done", exc if exc is not None else task.result()
@@ -240,10 +255,13 @@ def _unfinished(outcome: str, timeout_s: float, gate) -> Response:
     if outcome == "gone":
         return Response(status_code=499)  # nobody reads it; counted as the client's
     if outcome == "cut":
-        return error_response(503, ENGINE_DIED if gate.engine_died else f"{SHUTTING_DOWN}: the "
-                              "request was still running at the drain deadline")
-    return error_response(504, f"no answer within {timeout_s:.0f} s "
-                          "(SAGEMAKER_MODEL_SERVER_TIMEOUT)", "TimeoutError")
+        return error_response(
+            503,
+            ENGINE_DIED
+            if gate.engine_died
+            else f"{SHUTTING_DOWN}: the request was still running at the drain deadline",
+        )
+    return error_response(504, f"no answer within {timeout_s:.0f} s (SAGEMAKER_MODEL_SERVER_TIMEOUT)", "TimeoutError")
 
 
 async def _respond(request: Request, result: Any, prepared: Prepared) -> Response:
@@ -252,14 +270,14 @@ async def _respond(request: Request, result: Any, prepared: Prepared) -> Respons
     tgi = prepared.tgi
     if isinstance(result, ErrorResponse):
         swap = instead_of_5xx(result.error.code, request.app.state, prepared.constrained)
-        return error_response(*swap) if swap else \
-            JSONResponse(result.model_dump(), status_code=result.error.code)
+        return error_response(*swap) if swap else JSONResponse(result.model_dump(), status_code=result.error.code)
     if isinstance(result, Response):
         return result
     if hasattr(result, "model_dump"):
         data = result.model_dump()
-        return JSONResponse(completion_to_tgi(data, tgi) if tgi else data,
-                            headers=explain_headers(request.headers, data))
+        return JSONResponse(
+            completion_to_tgi(data, tgi) if tgi else data, headers=explain_headers(request.headers, data)
+        )
     return await _stream(request, result, prepared)
 
 
@@ -338,8 +356,14 @@ async def _until_cut(chunks: AsyncGenerator[str, None], app, constrained: bool) 
                 return
             yield chunk
             if gate.cut.is_set():
-                yield sse(error_body(503, ENGINE_DIED if gate.engine_died else
-                                     f"{SHUTTING_DOWN}: the stream was cut at the drain deadline"))
+                yield sse(
+                    error_body(
+                        503,
+                        ENGINE_DIED
+                        if gate.engine_died
+                        else f"{SHUTTING_DOWN}: the stream was cut at the drain deadline",
+                    )
+                )
                 yield DONE
                 return
     finally:

@@ -45,7 +45,7 @@ def bounded_manager(properties: dict, max_sessions: int):
 
     class BoundedSessionManager(SessionManager):
         limit = max_sessions
-        refusing = False   # logged once per run of refusals
+        refusing = False  # logged once per run of refusals
 
         def full(self) -> bool:
             """Whether a new session must be refused, once the expired ones are gone."""
@@ -59,8 +59,10 @@ def bounded_manager(properties: dict, max_sessions: int):
             with self._lock:
                 ends = [s.expiration_ts for s in self.sessions.values() if s.expiration_ts]
             wait = f"; the oldest expires in {max(0.0, min(ends) - time.time()):.0f} s" if ends else ""
-            return (f"too many open sessions: {len(self.sessions)} of SERVING_MAX_SESSIONS={self.limit}; "
-                    f"close one (requestType CLOSE) or retry once one expires{wait}")
+            return (
+                f"too many open sessions: {len(self.sessions)} of SERVING_MAX_SESSIONS={self.limit}; "
+                f"close one (requestType CLOSE) or retry once one expires{wait}"
+            )
 
         def create_session(self):
             with self._lock:
@@ -92,8 +94,8 @@ def limit_sessions(handler: Callable[[Request], Awaitable[Response]]) -> Callabl
         manager = _manager()
         if getattr(manager, "full", None) is not None and not _custom_handlers():
             try:
-                body = await raw_request.json()   # (parsed once: Starlette keeps it for the library)
-            except (ValueError, RecursionError):   # (the guard let it through: the library answers it)
+                body = await raw_request.json()  # (parsed once: Starlette keeps it for the library)
+            except (ValueError, RecursionError):  # (the guard let it through: the library answers it)
                 body = None
             if isinstance(body, dict) and body.get("requestType") == "NEW_SESSION" and manager.full():
                 if not manager.refusing:

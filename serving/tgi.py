@@ -83,8 +83,15 @@ def tgi_to_completion(req: TgiRequest, model: str) -> dict:
     greedy = p.do_sample is False and p.temperature is None
     if greedy:
         body["temperature"] = 0.0
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", "seed"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+    ):
         value = getattr(p, name)
         if value is not None and not (greedy and name == "temperature"):
             body[name] = value
@@ -119,11 +126,16 @@ def _tokens(choice: dict, ids: list) -> tuple[list[dict], list[list[dict]]]:
     tops = lp.get("top_logprobs") or []
     tokens, top_tokens = [], []
     for i, tid in enumerate(ids):
-        tokens.append({"id": tid, "text": texts[i] if i < len(texts) else "",
-                       "logprob": values[i] if i < len(values) else None, "special": False})
+        tokens.append(
+            {
+                "id": tid,
+                "text": texts[i] if i < len(texts) else "",
+                "logprob": values[i] if i < len(values) else None,
+                "special": False,
+            }
+        )
         top = tops[i] if i < len(tops) and tops[i] else {}
-        top_tokens.append([{"id": None, "text": t, "logprob": v, "special": False}
-                           for t, v in top.items()])
+        top_tokens.append([{"id": None, "text": t, "logprob": v, "special": False} for t, v in top.items()])
     if ids and not texts:  # no logprobs asked: the text belongs to the last token
         tokens[-1]["text"] = choice.get("text", "")
     return tokens, top_tokens
@@ -160,8 +172,7 @@ def _prefill(choice: dict) -> list[dict]:
     for i, tid in enumerate(ids):
         entry = lps[i] if i < len(lps) else None
         rec = (entry or {}).get(str(tid)) or (entry or {}).get(tid) if entry else None
-        out.append({"id": tid, "text": (rec or {}).get("decoded_token", ""),
-                    "logprob": (rec or {}).get("logprob")})
+        out.append({"id": tid, "text": (rec or {}).get("decoded_token", ""), "logprob": (rec or {}).get("logprob")})
     return out
 
 
@@ -203,8 +214,12 @@ class TgiStream:
                 msg = err.get("message") if isinstance(err, dict) else str(err)
                 if self.pending is not None:  # the tokens generated so far, then the error
                     yield sse(self.pending)
-                yield sse({"error": msg, "error_type": (err or {}).get("type", "generation")
-                           if isinstance(err, dict) else "generation"})
+                yield sse(
+                    {
+                        "error": msg,
+                        "error_type": (err or {}).get("type", "generation") if isinstance(err, dict) else "generation",
+                    }
+                )
                 self.failed, self.pending = True, None
                 return
             for choice in data.get("choices") or []:
@@ -231,7 +246,10 @@ class TgiStream:
         last = self.pending or {"token": {"id": None, "text": "", "logprob": None, "special": True}}
         text = "".join(self.text)
         last["generated_text"] = (self.req.inputs + text) if self.req.parameters.return_full_text else text
-        last["details"] = {"finish_reason": self.finish, "generated_tokens": self.generated,
-                           "seed": self.req.parameters.seed}
+        last["details"] = {
+            "finish_reason": self.finish,
+            "generated_tokens": self.generated,
+            "seed": self.req.parameters.seed,
+        }
         self.pending = None
         yield sse(last)

@@ -36,8 +36,8 @@ from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZE = 16            # prompts per batch (cache.tools.warm's default); a batch must fit L1 + L2
-KILL_GRACE_S = 5.0         # SIGTERM -> SIGKILL of the warm-up's process group
+BATCH_SIZE = 16  # prompts per batch (cache.tools.warm's default); a batch must fit L1 + L2
+KILL_GRACE_S = 5.0  # SIGTERM -> SIGKILL of the warm-up's process group
 EXIT_CONFIG_ERROR = 2
 
 
@@ -56,17 +56,29 @@ class Warmup:
         None when the warm-up failed or was killed. Raises ``ConfigError`` for a file or
         setting the warm-up cannot use."""
         path = self.settings.warm_prompts
-        log.info("warm-up: warming the cache with %s (KVCACHE_WARM_PROMPTS) in an engine of its "
-                 "own; the serving engine starts when it is done", path)
+        log.info(
+            "warm-up: warming the cache with %s (KVCACHE_WARM_PROMPTS) in an engine of its "
+            "own; the serving engine starts when it is done",
+            path,
+        )
         with tempfile.TemporaryDirectory(prefix="kvcache-warm-") as tmp:
             report_path = os.path.join(tmp, "report.json")
-            job = {"prompts": path, "batch_size": self.batch_size, "report": report_path,
-                   "parent_pid": os.getpid(),   # the child dies with us (die_with_parent)
-                   "vllm_args": list(self.settings.vllm_args),
-                   "arg_sources": [list(p) for p in self.settings.arg_sources]}
+            job = {
+                "prompts": path,
+                "batch_size": self.batch_size,
+                "report": report_path,
+                "parent_pid": os.getpid(),  # the child dies with us (die_with_parent)
+                "vllm_args": list(self.settings.vllm_args),
+                "arg_sources": [list(p) for p in self.settings.arg_sources],
+            }
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "serving.warmup", stdin=asyncio.subprocess.PIPE,
-                env=_child_env(), start_new_session=True)  # its own group: killable as a whole
+                sys.executable,
+                "-m",
+                "serving.warmup",
+                stdin=asyncio.subprocess.PIPE,
+                env=_child_env(),
+                start_new_session=True,
+            )  # its own group: killable as a whole
             try:
                 await self._proc.communicate(json.dumps(job).encode())
             except BaseException:  # cancelled (start-up timeout): the child must not outlive us
@@ -82,15 +94,24 @@ class Warmup:
         if code == EXIT_CONFIG_ERROR and report.get("error"):
             raise ConfigError(f"KVCACHE_WARM_PROMPTS={path!r}: {report['error']}")
         if code != 0 or "prompts" not in report:
-            log.error("warm-up failed (exit code %s%s); serving without it", code,
-                      f": {report['error']}" if report.get("error") else "; see the log above")
+            log.error(
+                "warm-up failed (exit code %s%s); serving without it",
+                code,
+                f": {report['error']}" if report.get("error") else "; see the log above",
+            )
             return None
         reloaded = report.get("reloaded") or {}
         published = sum(n for tier, n in reloaded.items() if tier != "shared")
-        log.info("warm-up done: %d prompts, %d tokens in %.1f s; %d tokens published to the shared "
-                 "tier now, %d were shared already (tokens read back per tier: %s)",
-                 report["prompts"], report["tokens"], report["seconds"], published,
-                 reloaded.get("shared", 0), reloaded or "none")
+        log.info(
+            "warm-up done: %d prompts, %d tokens in %.1f s; %d tokens published to the shared "
+            "tier now, %d were shared already (tokens read back per tier: %s)",
+            report["prompts"],
+            report["tokens"],
+            report["seconds"],
+            published,
+            reloaded.get("shared", 0),
+            reloaded or "none",
+        )
         return report
 
     def kill(self) -> None:
@@ -143,8 +164,10 @@ def warm_arguments(args) -> tuple[str, dict[str, Any], dict[str, Any]]:
     engine_args = dict(vars(EngineArgs.from_cli_args(args)))
     model = engine_args.pop("model")
     transfer = engine_args.pop("kv_transfer_config", None)
-    for name in ("enable_prefix_caching",   # warm turns it on (it resets it between passes)
-                 "disable_log_stats"):      # vllm.LLM's default: no stats
+    for name in (
+        "enable_prefix_caching",  # warm turns it on (it resets it between passes)
+        "disable_log_stats",
+    ):  # vllm.LLM's default: no stats
         engine_args.pop(name, None)
     cache = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
     return model, cache, engine_args
@@ -152,8 +175,7 @@ def warm_arguments(args) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
 def main() -> int:
     """``python -m serving.warmup`` < job JSON: run ``cache.tools.warm.warm``, write the report."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # SIGTERM ends the warm-up through warm()'s own shutdown path (engine shut down).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     job = json.load(sys.stdin)
@@ -163,12 +185,12 @@ def main() -> int:
         from cache.tools.warm import warm
         from serving.engine_args import parse_engine_args
 
-        settings = EngineSettings(vllm_args=tuple(job["vllm_args"]),
-                                  arg_sources=tuple(tuple(p) for p in job["arg_sources"]))
+        settings = EngineSettings(
+            vllm_args=tuple(job["vllm_args"]), arg_sources=tuple(tuple(p) for p in job["arg_sources"])
+        )
         model, cache, engine_args = warm_arguments(parse_engine_args(settings))
         r = warm(job["prompts"], model, cache=cache, batch_size=job["batch_size"], **engine_args)
-        report = {"prompts": r.prompts, "tokens": r.tokens, "seconds": round(r.seconds, 2),
-                  "reloaded": r.reloaded}
+        report = {"prompts": r.prompts, "tokens": r.tokens, "seconds": round(r.seconds, 2), "reloaded": r.reloaded}
     except (ConfigError, ValueError, OSError) as e:  # the file, a prompt in it, or a setting
         log.error("warm-up: %s", e)
         code, report = EXIT_CONFIG_ERROR, {"error": str(e)}

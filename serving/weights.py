@@ -46,8 +46,9 @@ def with_weights_fingerprint(settings: EngineSettings) -> EngineSettings:
     try:
         fp = fingerprint(model, cache.get("weights_hash") or "sampled")
     except OSError as e:
-        raise ConfigError(f"cannot read the weights of {model} (the cache namespace holds their "
-                          f"fingerprint): {e}") from None
+        raise ConfigError(
+            f"cannot read the weights of {model} (the cache namespace holds their fingerprint): {e}"
+        ) from None
     log.info("kvcache: weights of %s: %s", model, fp.describe())
     cache["weights_fingerprint"] = fp.digest
     args[at] = json.dumps(transfer)

@@ -32,9 +32,14 @@ def engine_env() -> dict:
 
 
 def start_engine(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_driver.py"), json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(),
-                            cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "engine_driver.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=engine_env(),
+        cwd=REPO,
+    )
 
 
 def finish_engine(proc: subprocess.Popen, timeout: float = 600, log: Optional[list] = None) -> list[dict]:
@@ -44,7 +49,7 @@ def finish_engine(proc: subprocess.Popen, timeout: float = 600, log: Optional[li
         raise AssertionError(f"engine failed ({proc.returncode}):\n{err[-4000:]}")
     if log is not None:
         log.append(err)
-    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
 def run_engine(spec: dict, timeout: float = 600, log: Optional[list] = None) -> list[dict]:

@@ -148,8 +148,10 @@ def read_metrics(prefix: str) -> tuple[dict, dict]:
 
     samples = [s for m in REGISTRY.collect() if m.name.startswith(prefix) for s in m.samples]
     keep = ("tier", "cause", "mode", "path", "source")
-    labelled = {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k in keep) + "}": s.value
-                for s in samples}
+    labelled = {
+        s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k in keep) + "}": s.value
+        for s in samples
+    }
     return {s.name: s.value for s in samples}, labelled
 
 
@@ -158,7 +160,7 @@ def tier_folders(cache: dict) -> list[str]:
     paths = [cache.get("KVCACHE_DRAM_PATH"), cache.get("KVCACHE_DISK_PATH")]
     url = cache.get("KVCACHE_SHARED_URL") or cache.get("KVCACHE_REMOTE_URL") or ""
     if url.startswith("file://"):
-        paths.append(url[len("file://"):])
+        paths.append(url[len("file://") :])
     return [p for p in paths if p and os.path.isdir(p)]
 
 
@@ -166,6 +168,7 @@ def settle(folders: list[str], quiet_s: float = 0.3, timeout_s: float = 30.0) ->
     """Wait until the write-behind is quiet: no temporary file in ``folders`` and their
     files unchanged for ``quiet_s`` (at most ``timeout_s``). A fixed sleep alone is not
     enough on a 2-core machine that can stall a writer for seconds."""
+
     def snapshot():
         seen = set()
         for folder in folders:
@@ -198,16 +201,24 @@ def main() -> None:
 
     from cache.vllm import CONNECTOR_CLASS, CONNECTOR_MODULE
 
-    transfer = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
-                                kv_role="kv_both")
+    transfer = KVTransferConfig(
+        kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both"
+    )
     events = None
     if spec.get("kv_events"):  # vLLM's KV events publisher (cache.vllm.events adds the tiers')
         from vllm.config import KVEventsConfig
 
         events = KVEventsConfig(**spec["kv_events"])
-    llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=spec.get("max_model_len", 4096),
-              enforce_eager=True, enable_prefix_caching=spec.get("prefix_caching", True),
-              seed=0, disable_log_stats=not spec.get("log_stats", False), kv_events_config=events)
+    llm = LLM(
+        spec["model"],
+        kv_transfer_config=transfer,
+        max_model_len=spec.get("max_model_len", 4096),
+        enforce_eager=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        seed=0,
+        disable_log_stats=not spec.get("log_stats", False),
+        kv_events_config=events,
+    )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 3), logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):
@@ -216,13 +227,11 @@ def main() -> None:
             print("RESULT " + json.dumps({"corrupted": sum(corrupt_entries(f) for f in step["corrupt"])}), flush=True)
         elif step.get("engine"):
             sched = llm.llm_engine.vllm_config.scheduler_config
-            print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}),
-                  flush=True)
+            print("RESULT " + json.dumps({"hybrid_kv_manager": not sched.disable_hybrid_kv_cache_manager}), flush=True)
         elif "metrics" in step:
             plain, labelled = read_metrics(step["metrics"])
             deadline = time.time() + step.get("timeout", 60)
-            while any(labelled.get(k, 0) < v for k, v in step.get("until", {}).items()) \
-                    and time.time() < deadline:
+            while any(labelled.get(k, 0) < v for k, v in step.get("until", {}).items()) and time.time() < deadline:
                 # the workers' counters reach the registry with an engine step's output:
                 # what the background threads did after the last step needs another one
                 llm.generate([{"prompt_token_ids": [7, 7, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -265,22 +274,29 @@ def main() -> None:
                 prompt["cache_salt"] = step["cache_salt"]
             sampling = params
             if step.get("prompt_logprobs"):  # (vLLM sets skip_reading_prefix_cache when built)
-                sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=5, temperature=0,
-                                          prompt_logprobs=step["prompt_logprobs"])
+                sampling = SamplingParams(
+                    max_tokens=params.max_tokens, logprobs=5, temperature=0, prompt_logprobs=step["prompt_logprobs"]
+                )
             if step.get("kv_transfer_params"):
                 sampling = params.clone()
                 sampling.extra_args = {"kv_transfer_params": step["kv_transfer_params"]}
             out = llm.generate(prompt, sampling, use_tqdm=False)[0]
             comp = out.outputs[0]
-            print("RESULT " + json.dumps({
-                "seconds": time.perf_counter() - t0,
-                "token_ids": list(comp.token_ids),
-                "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in comp.logprobs],
-                "num_cached_tokens": out.num_cached_tokens,
-                "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
-                "explain": (out.kv_transfer_params or {}).get("kvcache_explain", []),
-                "pin": (out.kv_transfer_params or {}).get("kvcache_pin"),
-            }), flush=True)
+            print(
+                "RESULT "
+                + json.dumps(
+                    {
+                        "seconds": time.perf_counter() - t0,
+                        "token_ids": list(comp.token_ids),
+                        "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in comp.logprobs],
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "loaded": (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {}),
+                        "explain": (out.kv_transfer_params or {}).get("kvcache_explain", []),
+                        "pin": (out.kv_transfer_params or {}).get("kvcache_pin"),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

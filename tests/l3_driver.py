@@ -39,8 +39,15 @@ def main() -> None:
     from cache.vllm import kv_transfer_config
 
     transfer = KVTransferConfig(**kv_transfer_config(build_cache_config()))
-    llm = LLM(spec["model"], kv_transfer_config=transfer, max_model_len=4096, enforce_eager=True,
-              enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")
+    llm = LLM(
+        spec["model"],
+        kv_transfer_config=transfer,
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        distributed_executor_backend="uni",
+    )
     params = SamplingParams(max_tokens=3, logprobs=5, temperature=0)
     for step in spec["steps"]:
         if step.get("reset_prefix_cache"):

@@ -11,9 +11,15 @@ def test_worker_store_gives_only_its_last_local_tier_the_admission_role(tmp_path
     from cache.keys import Namespace
     from cache.vllm.worker import WorkerSide
 
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",
-                              "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "1MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "1MiB",
+            "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3",
+        }
+    )
     side = WorkerSide(cfg, Namespace("m", "d", "bfloat16", "x"), num_blocks=4, block_size=16)
     dram, disk = side.store.policies[:2]
     assert isinstance(dram, PrefixAdaptivePolicy) and not dram.last_tier and disk.last_tier
@@ -28,9 +34,15 @@ def test_each_tier_carries_the_identity_the_configuration_names(tmp_path):
     from cache.config import build_cache_config
     from cache.tiers.identity import DISK, DRAM, SHARED
 
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB",
-                              "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "1MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "1MiB",
+            "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3",
+        }
+    )
     specs, tiers = cfg.tiers(), build_tiers(cfg, "ns")
     try:
         assert [s.id for s in specs] == [t.id for t in tiers] == [DRAM, DISK, SHARED]

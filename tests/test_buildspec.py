@@ -39,15 +39,21 @@ def run_buildspec(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProce
     workdir = tmp_path / "src"
     workdir.mkdir()
     script = []
-    for name, value in SPEC["env"]["variables"].items():   # the project's values win over these
-        script.append(f"export {name}=\"${{{name}-{value}}}\"")
+    for name, value in SPEC["env"]["variables"].items():  # the project's values win over these
+        script.append(f'export {name}="${{{name}-{value}}}"')
     for phase in ("pre_build", "build", "post_build"):
         script += SPEC["phases"][phase]["commands"]
     calls = tmp_path / "calls"
-    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "AWS_DEFAULT_REGION": "us-east-1",
-                "CODEBUILD_BUILD_SUCCEEDING": "1", **env}
-    out = subprocess.run(["bash", "-e", "-c", "\n".join(script)], cwd=workdir, env=full_env,
-                         capture_output=True, text=True, timeout=60)
+    full_env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "CALLS": str(calls),
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "CODEBUILD_BUILD_SUCCEEDING": "1",
+        **env,
+    }
+    out = subprocess.run(
+        ["bash", "-e", "-c", "\n".join(script)], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=60
+    )
     return out, calls.read_text().splitlines() if calls.exists() else [], workdir
 
 
@@ -77,12 +83,17 @@ def test_creates_the_repository_when_missing(tmp_path):
     assert calls.index(create) < min(i for i, c in enumerate(calls) if c.startswith("docker push"))
 
 
-@pytest.mark.parametrize("env,tag", [
-    ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "", "GIT_COMMIT": "fedcba9876543210fedcba9876543210fedcba98"},
-     "fedcba987654"),
-    ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "3sL4kqtJ+rmSp/Xd3dIbrHY"}, "3sL4kqtJ-rmS"),   # an S3 object version
-    ({"CODEBUILD_RESOLVED_SOURCE_VERSION": ".hidden"}, "_hidden"),
-])
+@pytest.mark.parametrize(
+    "env,tag",
+    [
+        (
+            {"CODEBUILD_RESOLVED_SOURCE_VERSION": "", "GIT_COMMIT": "fedcba9876543210fedcba9876543210fedcba98"},
+            "fedcba987654",
+        ),
+        ({"CODEBUILD_RESOLVED_SOURCE_VERSION": "3sL4kqtJ+rmSp/Xd3dIbrHY"}, "3sL4kqtJ-rmS"),  # an S3 object version
+        ({"CODEBUILD_RESOLVED_SOURCE_VERSION": ".hidden"}, "_hidden"),
+    ],
+)
 def test_tag_without_a_commit_from_codebuild(tmp_path, env, tag):
     out, calls, _ = run_buildspec(tmp_path, **env)
     assert out.returncode == 0, out.stderr
@@ -98,11 +109,12 @@ def test_tag_falls_back_to_the_build_time(tmp_path):
 
 
 def test_a_failed_build_pushes_nothing_of_it_and_fails(tmp_path):
-    out, calls, workdir = run_buildspec(tmp_path, CODEBUILD_RESOLVED_SOURCE_VERSION=SHA, FAIL_FLAVOUR="gpu",
-                                        IMAGE_FLAVOURS="gpu cpu")
+    out, calls, workdir = run_buildspec(
+        tmp_path, CODEBUILD_RESOLVED_SOURCE_VERSION=SHA, FAIL_FLAVOUR="gpu", IMAGE_FLAVOURS="gpu cpu"
+    )
     assert out.returncode != 0
     assert not any(c.startswith("docker push") for c in calls)
-    assert SPEC["phases"]["build"]["on-failure"] == "ABORT"   # CodeBuild skips post_build then
+    assert SPEC["phases"]["build"]["on-failure"] == "ABORT"  # CodeBuild skips post_build then
     assert not (workdir / "imageDetail.json").exists()
 
 

@@ -33,7 +33,7 @@ def test_chat_turns_extend_the_conversation_from_the_shared_system_prompt():
             assert t.prompt[:1000] == w.shared and 16 <= t.answer_tokens <= 32 and t.think_s == 6.0
             assert all(0 <= x < VOCAB for x in t.prompt)
             if prev is not None:
-                assert t.prompt[:len(prev)] == prev
+                assert t.prompt[: len(prev)] == prev
                 assert 300 <= len(t.prompt) - len(prev) - prev_answer <= 600
             else:
                 assert 300 <= len(t.prompt) - 1000 <= 600
@@ -44,7 +44,7 @@ def test_chat_turns_extend_the_conversation_from_the_shared_system_prompt():
 def test_sessions_are_reproducible_and_distinct_per_user_and_salt():
     assert _sessions("chat", 1) == _sessions("chat", 1)
     a, b, c = _sessions("chat", 1)[0], _sessions("chat", 2)[0], _sessions("chat", 1, salt="t")[0]
-    assert a[0].prompt[:1000] == b[0].prompt[:1000] == c[0].prompt[:1000]   # the shared part
+    assert a[0].prompt[:1000] == b[0].prompt[:1000] == c[0].prompt[:1000]  # the shared part
     assert a[0].prompt[1000:1100] != b[0].prompt[1000:1100]
     assert a[0].prompt[1000:1100] != c[0].prompt[1000:1100]
 
@@ -57,7 +57,7 @@ def test_rag_draws_pool_documents_zipf_plus_a_new_question():
         (t,) = session
         assert t.prompt[:300] == w.shared
         rest = t.prompt[300:]
-        hits = [i for d, i in docs.items() if rest[:len(d)] == d]
+        hits = [i for d, i in docs.items() if rest[: len(d)] == d]
         assert len(hits) == 1
         assert 40 <= len(rest) - len(w.documents[hits[0]]) <= 120
         drawn[hits[0]] += 1
@@ -109,8 +109,10 @@ def test_token_counters_and_a_point_summary():
     d = stats.delta(before, after)
     assert d == {"loaded:dram": 300, "prompt": 1000, "prompt:local_cache_hit": 400, "prompt:local_compute": 300}
     turns = [{"ok": True, "ttft": x, "itl": [0.01, 0.03], "asked": 16, "got": 16} for x in (1.0, 2.0, 3.0)]
-    turns += [{"ok": True, "ttft": 4.0, "itl": [], "asked": 16, "got": 3},
-              {"ok": False, "ttft": 0.0, "itl": [], "asked": 16, "got": 0}]
+    turns += [
+        {"ok": True, "ttft": 4.0, "itl": [], "asked": 16, "got": 3},
+        {"ok": False, "ttft": 0.0, "itl": [], "asked": 16, "got": 0},
+    ]
     p = stats.summarize(turns, 30.0, d)
     assert (p["turns"], p["failed"], p["short_answers"]) == (4, 1, 1)
     assert p["turns_per_min"] == 8.0 and p["ttft_p50"] == 2.5 and p["itl_p50"] == pytest.approx(0.02)
@@ -149,8 +151,10 @@ async def _drive(users: int, wl: Workload, duration: float, fail_above: int = 10
         for _ in range(body["max_tokens"]):
             await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
             await asyncio.sleep(0.001)
-        usage = {"choices": [],
-                 "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": len(body["prompt"])}}
+        usage = {
+            "choices": [],
+            "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": len(body["prompt"])},
+        }
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
@@ -190,16 +194,18 @@ def test_a_failed_turn_drops_the_conversation():
     wl = Workload(name="tiny", shared_tokens=50, turns=(3, 3), new_tokens=(5, 10), answer_tokens=(4, 4), think_s=0.01)
     point, seen, _ = asyncio.run(_drive(1, wl, duration=1.0, fail_above=60))
     assert point["failed"] >= 1 and point["turns"] >= 1
-    assert max(len(b["prompt"]) for b in seen) <= 50 + 10 + 4 + 10   # no third turn was ever sent
+    assert max(len(b["prompt"]) for b in seen) <= 50 + 10 + 4 + 10  # no third turn was ever sent
     assert point["errors"] and "refused" in point["errors"][0]
-    with pytest.raises((aiohttp.ClientError, OSError)):   # no server: the first scrape of /metrics fails loudly
+    with pytest.raises((aiohttp.ClientError, OSError)):  # no server: the first scrape of /metrics fails loudly
         asyncio.run(capacity.sweep_point("http://127.0.0.1:9", "model", wl, 1, 0.5, "t-"))
 
 
 def test_summary_table_names_each_configuration():
     pts = {4: {"ttft_p90": 0.5}, 8: {"ttft_p90": 3.0}}
-    result = {"run": {"slo_s": 2.0, "slos": [2.0, 0.4], "scale": "tiny", "configs": ["vllm-alone", "ours"]},
-              "workloads": {"chat": {"vllm-alone": {"points": pts}}}}
+    result = {
+        "run": {"slo_s": 2.0, "slos": [2.0, 0.4], "scale": "tiny", "configs": ["vllm-alone", "ours"]},
+        "workloads": {"chat": {"vllm-alone": {"points": pts}}},
+    }
     text = capacity.summary(result)
     assert "| workload | SLO | vllm-alone | ours |" in text
     assert "| chat | p90 <= 2 s | 4 (≈6) | – |" in text and "| chat | p90 <= 0.4 s | < 4 | – |" in text
@@ -218,11 +224,18 @@ def test_parse_refuses_unknown_names():
 
 def test_dashboard_text_is_the_curve_and_users_at_each_slo():
     pts = {"8": {"ttft_p90": 0.5}, "16": {"ttft_p90": 3.0}}
-    result = {"run": {"slo_s": 2.0, "slos": [2.0, 0.4], "scale": "tiny scale", "started": "then",
-                      "configs": ["vllm-alone", "limit"]},
-              "workloads": {"rag": {"vllm-alone": {"points": pts}, "limit": {"points": {"8": {"ttft_p90": 0.25}}}}}}
+    result = {
+        "run": {
+            "slo_s": 2.0,
+            "slos": [2.0, 0.4],
+            "scale": "tiny scale",
+            "started": "then",
+            "configs": ["vllm-alone", "limit"],
+        },
+        "workloads": {"rag": {"vllm-alone": {"points": pts}, "limit": {"points": {"8": {"ttft_p90": 0.25}}}}},
+    }
     text = capacity.dashboard_text(result)
     assert "tiny scale; started then" in text and "not this deployment" in text
     assert "| configuration | 8 users | 16 users | p90 <= 2 s | p90 <= 0.4 s |" in text
     assert "| vllm-alone | 0.50 | 3.00 | 8 (≈13) | < 8 |" in text
-    assert "| limit | 0.25 | – | >= 8 | >= 8 |" in text   # a point it did not run: a dash
+    assert "| limit | 0.25 | – | >= 8 | >= 8 |" in text  # a point it did not run: a dash

@@ -14,8 +14,19 @@ pytestmark = pytest.mark.engine
 
 
 def test_quick_run_finishes_every_turn_and_accounts_for_its_tokens(tmp_path):
-    rc = capacity.main(["--quick", "--users", "2", "--duration", "15", "--out", str(tmp_path / "out"),
-                        "--workdir", str(tmp_path / "work")])
+    rc = capacity.main(
+        [
+            "--quick",
+            "--users",
+            "2",
+            "--duration",
+            "15",
+            "--out",
+            str(tmp_path / "out"),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     result = json.loads((tmp_path / "out" / "capacity.json").read_text())
     assert rc == 0, (tmp_path / "out" / "capacity.md").read_text()
     assert set(result["workloads"]["chat"]) == {"vllm-alone", "ours"}

@@ -17,16 +17,27 @@ from cache.errors import ConfigError
 
 
 def env(tmp_path, **kw):
-    base = {"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
-            "KVCACHE_DRAM_SIZE": "1MiB", "KVCACHE_DISK_SIZE": "1MiB"}
+    base = {
+        "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "KVCACHE_DRAM_SIZE": "1MiB",
+        "KVCACHE_DISK_SIZE": "1MiB",
+    }
     base.update(kw)
     return base
 
 
-@pytest.mark.parametrize("text,whole,expected", [
-    ("8GiB", None, 8 * 2**30), ("500MB", None, 500 * 10**6), ("1073741824", None, 2**30),
-    ("20%", 1000, 200), ("1.5k", None, 1500), ("0", None, 0),
-])
+@pytest.mark.parametrize(
+    "text,whole,expected",
+    [
+        ("8GiB", None, 8 * 2**30),
+        ("500MB", None, 500 * 10**6),
+        ("1073741824", None, 2**30),
+        ("20%", 1000, 200),
+        ("1.5k", None, 1500),
+        ("0", None, 0),
+    ],
+)
 def test_parse_size(text, whole, expected):
     assert parse_size(text, whole, "X") == expected
 
@@ -41,6 +52,7 @@ def test_settings_and_defaults(tmp_path):
     cfg = build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="2MiB", KVCACHE_CHUNK_TOKENS="512"))
     assert cfg.dram_bytes == 2 * 2**20 and cfg.disk_bytes == 2**20 and cfg.chunk_tokens == 512
     from cache.policy import DEFAULT_POLICY
+
     assert cfg.policy == DEFAULT_POLICY  # the store runs the recommended policy by default
 
 
@@ -97,8 +109,15 @@ def test_memory_limit_reads_cgroup_files(tmp_path):
 
 # -- one serialized value for the connector ------------------------------------------------
 def test_the_connector_gets_the_resolved_config_without_the_signing_key(tmp_path):
-    cfg = build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="10%", KVCACHE_SIGNING_KEY="s3cret",
-                                 KVCACHE_SHARED_URL=f"file://{tmp_path}/l3", KVCACHE_SHARED_BANDWIDTH="1GB"))
+    cfg = build_cache_config(
+        env(
+            tmp_path,
+            KVCACHE_DRAM_SIZE="10%",
+            KVCACHE_SIGNING_KEY="s3cret",
+            KVCACHE_SHARED_URL=f"file://{tmp_path}/l3",
+            KVCACHE_SHARED_BANDWIDTH="1GB",
+        )
+    )
     extra = connector_extra(cfg)
     assert list(extra) == ["kvcache_config"] and "s3cret" not in json.dumps(extra)
     data = json.loads(json.dumps(extra))["kvcache_config"]  # plain JSON, as vLLM passes it on
@@ -118,7 +137,10 @@ def test_the_connector_gets_the_resolved_config_without_the_signing_key(tmp_path
 def test_tier_roles_come_from_the_configuration(tmp_path):
     both = build_cache_config(env(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3"))
     assert [(t.name, t.level, t.synchronous, t.last_local, t.shared) for t in both.tiers()] == [
-        ("dram", "L1", True, False, False), ("disk", "L2", False, True, False), ("shared", "L3", False, False, True)]
+        ("dram", "L1", True, False, False),
+        ("disk", "L2", False, True, False),
+        ("shared", "L3", False, False, True),
+    ]
     disk_only = build_cache_config(env(tmp_path, KVCACHE_DRAM_SIZE="0"))
     assert [(t.name, t.synchronous, t.last_local) for t in disk_only.tiers()] == [("disk", False, True)]
     # Direct reads: the disk tier only (DRAM is tmpfs; the shared tier reads over its transport).
@@ -129,12 +151,23 @@ def test_tier_roles_come_from_the_configuration(tmp_path):
 
 # -- names: one vocabulary, old names accepted --------------------------------------------
 def test_old_names_are_deprecated_aliases(tmp_path):
-    old = {"KVCACHE_CPU_PATH": str(tmp_path / "shm"), "KVCACHE_CPU_SIZE": "2MiB", "KVCACHE_DISK_SIZE": "1MiB",
-           "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3",
-           "KVCACHE_REMOTE_TIMEOUT_MS": "700", "KVCACHE_REMOTE_BANDWIDTH": "1MB"}
+    old = {
+        "KVCACHE_CPU_PATH": str(tmp_path / "shm"),
+        "KVCACHE_CPU_SIZE": "2MiB",
+        "KVCACHE_DISK_SIZE": "1MiB",
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "KVCACHE_REMOTE_URL": f"file://{tmp_path}/l3",
+        "KVCACHE_REMOTE_TIMEOUT_MS": "700",
+        "KVCACHE_REMOTE_BANDWIDTH": "1MB",
+    }
     cfg = build_cache_config(old)
     assert (cfg.dram_path, cfg.dram_bytes, cfg.shared_url, cfg.shared_timeout_ms, cfg.shared_bandwidth) == (
-        str(tmp_path / "shm"), 2 * 2**20, f"file://{tmp_path}/l3", 700, 10**6)
+        str(tmp_path / "shm"),
+        2 * 2**20,
+        f"file://{tmp_path}/l3",
+        700,
+        10**6,
+    )
     assert cfg.notes.count("KVCACHE_CPU_SIZE is deprecated: use KVCACHE_DRAM_SIZE") == 1
     assert len([n for n in cfg.notes if "deprecated" in n]) == 5
     same = build_cache_config({**old, "KVCACHE_DRAM_SIZE": "2MiB"})
@@ -186,8 +219,9 @@ def test_curvine_masters_and_a_conf_file_inside_the_model_folder(tmp_path):
     model = tmp_path / "ml" / "model" / "curvine"
     model.mkdir(parents=True)
     (model / "curvine-cluster.toml").write_text("[client]\n")
-    in_model = env(tmp_path, **url, SAGEMAKER_BASE_DIR=str(tmp_path / "ml"),
-                   KVCACHE_CURVINE_CONF="curvine/curvine-cluster.toml")
+    in_model = env(
+        tmp_path, **url, SAGEMAKER_BASE_DIR=str(tmp_path / "ml"), KVCACHE_CURVINE_CONF="curvine/curvine-cluster.toml"
+    )
     assert build_cache_config(in_model).curvine_conf == str(model / "curvine-cluster.toml")
     with pytest.raises(ConfigError, match="KVCACHE_CURVINE_CONF=.*missing.toml' is not a file"):
         build_cache_config({**in_model, "KVCACHE_CURVINE_CONF": "missing.toml"})
@@ -203,7 +237,6 @@ def test_prompt_file_is_parsed_in_one_place(tmp_path):
     path.write_text('{"prompt_token_ids": ["x"]}\n')
     with pytest.raises(ConfigError, match="line 1: prompt_token_ids must be a list of integers"):
         read_prompt_file(str(path))
-
 
 
 # -- a DRAM folder too small is never taken silently (issue 12) ----------------------------------
@@ -258,10 +291,12 @@ def test_memory_folders_are_the_users_tmpfs_mounts(tmp_path):
     from cache.sizes import memory_folders
 
     mounts = tmp_path / "mounts"
-    mounts.write_text("overlay / overlay rw 0 0\ntmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
-                      "tmpfs /run tmpfs rw 0 0\ntmpfs /sys/fs/cgroup tmpfs ro 0 0\n"
-                      "tmpfs /mnt/ram tmpfs rw,size=32g 0 0\ntmpfs /mnt/ro tmpfs ro 0 0\n"
-                      "/dev/nvme1n1 /tmp ext4 rw 0 0\n")
+    mounts.write_text(
+        "overlay / overlay rw 0 0\ntmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
+        "tmpfs /run tmpfs rw 0 0\ntmpfs /sys/fs/cgroup tmpfs ro 0 0\n"
+        "tmpfs /mnt/ram tmpfs rw,size=32g 0 0\ntmpfs /mnt/ro tmpfs ro 0 0\n"
+        "/dev/nvme1n1 /tmp ext4 rw 0 0\n"
+    )
     assert memory_folders(str(mounts)) == ["/mnt/ram"]
 
 

@@ -103,8 +103,9 @@ def test_counters_of_requests_are_reported_once_whatever_the_ranks(tmp_path, mon
         conn.bind_connector_metadata(TieredKVMetadata(saves=[ChunkIO(KEY, None, [0, 1])]))
         conn.wait_for_save()
         conn.worker_side.store.flush(10)
-        conn.bind_connector_metadata(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5], tokens=31)],
-                                                                         False)]))
+        conn.bind_connector_metadata(
+            TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5], tokens=31)], False)])
+        )
         conn.start_load_kv(None)
         conn.wait_for_save()
         assert conn.get_block_ids_with_load_errors() == set()
@@ -120,8 +121,7 @@ def test_counters_of_requests_are_reported_once_whatever_the_ranks(tmp_path, mon
 @pytest.mark.parametrize("dcp, pcp", [(2, 1), (1, 2)])
 def test_context_parallelism_turns_the_cache_off_with_one_log_line(tmp_path, monkeypatch, caplog, dcp, pcp):
     with caplog.at_level(logging.INFO, logger="cache.vllm.connector"):
-        scheduler = connector(monkeypatch, engine_config(tmp_path, dcp=dcp, pcp=pcp, tp=2), SCHEDULER,
-                              full_attention())
+        scheduler = connector(monkeypatch, engine_config(tmp_path, dcp=dcp, pcp=pcp, tp=2), SCHEDULER, full_attention())
         worker = connector(monkeypatch, engine_config(tmp_path, dcp=dcp, pcp=pcp, tp=2), WORKER, full_attention())
     assert isinstance(scheduler.scheduler_side, CacheOff) and isinstance(worker.worker_side, CacheOff)
     (line,) = [r.getMessage() for r in caplog.records if "OFF" in r.getMessage()]
@@ -138,8 +138,9 @@ def test_hits_are_labelled_by_the_tier_that_serves_them(tmp_path, monkeypatch):
     load, and takes its answer when the counts add up to the hit."""
     vllm_config = engine_config(tmp_path)
     conn = connector(monkeypatch, vllm_config, SCHEDULER, full_attention())
-    conn.bind_kv_cache_manager(SimpleNamespace(block_pool=None,
-                                               get_block_ids=lambda req_id: (list(range(NUM_BLOCKS)),)))
+    conn.bind_kv_cache_manager(
+        SimpleNamespace(block_pool=None, get_block_ids=lambda req_id: (list(range(NUM_BLOCKS)),))
+    )
     side = conn.scheduler_side
     ns = engine_namespace(vllm_config, full_attention(), CHUNK, 0, weights=weights_id(vllm_config, side.config))
     writer = TieredStore(build_tiers(side.config, ns.id), ns.digest, [LRUPolicy(), LRUPolicy()])

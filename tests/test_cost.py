@@ -114,7 +114,8 @@ def test_a_prefix_pays_when_its_tier_is_fast_and_the_rest_slow():
     """DRAM holds the first chunks, the slow shared tier the rest: load the DRAM part."""
     p = prefill()
     chunks = found(4096, "dram", prefix=2048) + [
-        ChunkCost(c.start, c.end, "shared", c.nbytes) for c in found(4096, "shared")[8:]]
+        ChunkCost(c.start, c.end, "shared", c.nbytes) for c in found(4096, "shared")[8:]
+    ]
     nbytes = sum(c.nbytes for c in chunks[8:])
     rates = {**tiers(dram=10e9), **tiers(shared=nbytes / (5 * p.seconds(4096, 0)))}
     plan = choose(chunks, 4096, 0, rates, p, {"dram"})
@@ -147,15 +148,18 @@ def test_small_gains_keep_the_full_load_and_memory_loads_have_no_deadline():
 
 def test_planner_learns_from_worker_samples_and_counts_once():
     clock = Clock()
-    planner = LoadPlanner(["dram", "disk"], {"dram"}, block_size=128, bytes_per_block=128 * BYTES_PER_TOKEN,
-                          clock=clock)
+    planner = LoadPlanner(
+        ["dram", "disk"], {"dram"}, block_size=128, bytes_per_block=128 * BYTES_PER_TOKEN, clock=clock
+    )
     spans = [(s, min(s + CHUNK, 4095), "disk") for s in range(0, 4095, CHUNK)]
     plan = planner.plan("a", spans, 4096, 0)
     assert plan.path == "load" and plan.estimate_s is None
     # measurements arrive with the workers' output: a slow disk, a fast engine
     planner.observe([("load", "disk", int(n), n / 50e6) for n in (1e6, 1e7, 1e8)])
-    planner.observe([("step", n, attention_pairs(n, 0), 1e-5 * n) for n in (64, 512, 4096)] +
-                    [("step", 1, attention_pairs(1, 4000), 1e-5)])
+    planner.observe(
+        [("step", n, attention_pairs(n, 0), 1e-5 * n) for n in (64, 512, 4096)]
+        + [("step", 1, attention_pairs(1, 4000), 1e-5)]
+    )
     plan = planner.plan("a", spans, 4096, 0)  # asked again: counted once
     assert plan.path == "recompute"
     planner.issued("a")  # (a recompute plan issues no load; vLLM never calls back)

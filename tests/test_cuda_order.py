@@ -123,8 +123,13 @@ def test_a_synchronous_load_orders_both_ways_without_blocking_the_host():
     entry = torch.randn(c.layout.entry_shape(3)).to(torch.bfloat16)
     me = threading.current_thread().name
     c.scatter([4, 9], entry, skip_blocks=1)
-    assert rec.calls(me) == [("select",), ("record", "compute", 0), ("wait", "copy", "compute", 0),
-                             ("record", "copy", 1), ("wait", "compute", "copy", 1)]  # no ("sync", ...)
+    assert rec.calls(me) == [
+        ("select",),
+        ("record", "compute", 0),
+        ("wait", "copy", "compute", 0),
+        ("record", "copy", 1),
+        ("wait", "compute", "copy", 1),
+    ]  # no ("sync", ...)
     for i, name in enumerate(c.layout.layer_names):
         assert torch.equal(caches[name][4], entry[i, 1]) and torch.equal(caches[name][9], entry[i, 2])
     # its staging slot comes back only once the copy's event has happened
@@ -140,8 +145,12 @@ def test_a_load_from_another_thread_follows_the_forward_threads_mark_and_ends_be
     t = threading.Thread(target=c.scatter, args=([1, 3], entry), kwargs={"after": mark}, name="kvcache-load-r1")
     t.start()
     t.join()
-    assert rec.calls("kvcache-load-r1") == [("select",), ("wait", "copy", "compute", 0), ("record", "copy", 1),
-                                            ("sync", 1)]
+    assert rec.calls("kvcache-load-r1") == [
+        ("select",),
+        ("wait", "copy", "compute", 0),
+        ("record", "copy", 1),
+        ("sync", 1),
+    ]
     assert torch.equal(caches["l1"][3], entry[1, 1])
 
 
@@ -151,7 +160,7 @@ def test_saves_skip_rather_than_wait_when_the_staging_pool_is_full():
     assert c.gather_async([4]) is None and pool.dropped_saves == 1  # the forward thread never waits
     first.release()  # the writer wrote it, but the copy into it has not ended: not yet reusable
     assert c.gather_async([4]) is None and pool.dropped_saves == 2
-    first.wait()     # (the writer waits before it writes: the copy ended)
+    first.wait()  # (the writer waits before it writes: the copy ended)
     third = c.gather_async([5])
     assert third is not None and third.host.data_ptr() == first.host.data_ptr()
     assert pool.high_water == 2 and pool.taken == 3 and second.host.data_ptr() != third.host.data_ptr()

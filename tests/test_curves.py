@@ -78,8 +78,9 @@ def test_memory_is_bounded_by_the_slots_whatever_the_size():
 
 
 def test_curves_report_deltas_of_tokens_and_their_levels():
-    chunks = [SimpleNamespace(key=hashlib.blake2b(bytes([i])).hexdigest(), start=256 * i, end=256 * (i + 1))
-              for i in range(8)]
+    chunks = [
+        SimpleNamespace(key=hashlib.blake2b(bytes([i])).hexdigest(), start=256 * i, end=256 * (i + 1)) for i in range(8)
+    ]
     curves = Curves({"dram": 4, "disk": 16}, "lru", last_local="disk", min_shift=0)
     assert curves.stats() == {}
     curves.observe(chunks)
@@ -87,8 +88,8 @@ def test_curves_report_deltas_of_tokens_and_their_levels():
     stats = curves.stats()
     assert stats["curve:dram.tokens"] == stats["curve:disk.tokens"] == 2 * 8 * 256
     assert stats["curve:disk.sample_rate"] == 1.0
-    assert stats["curve:disk:1.hit_ratio"] == pytest.approx(0.5)   # 8 of 16 chunks
-    assert stats["curve:dram:0.25.hit_ratio"] == 0.0               # one chunk holds no prefix of 8
+    assert stats["curve:disk:1.hit_ratio"] == pytest.approx(0.5)  # 8 of 16 chunks
+    assert stats["curve:dram:0.25.hit_ratio"] == 0.0  # one chunk holds no prefix of 8
     assert set(stats) >= {f"curve:{t}:{s}.hit_ratio" for t in ("dram", "disk") for s in SIZES}
     assert curves.stats() == {}  # nothing new: nothing reported
     curves.observe(chunks[:2])
@@ -96,8 +97,14 @@ def test_curves_report_deltas_of_tokens_and_their_levels():
 
 
 def test_tier_curves_size_each_local_tier_in_chunks(tmp_path):
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "64MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "256MiB"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "64MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "256MiB",
+        }
+    )
     curves = tier_curves(cfg, 1 << 20)
     assert {t.tier: t.capacity for t in curves.tiers} == {"dram": 64, "disk": 256}
     assert [t.caches[0].last_tier for t in curves.tiers] == [False, True]  # roles as in the store
@@ -110,8 +117,14 @@ def test_curves_and_cost_rates_reach_prometheus_as_labelled_series():
     registry = CollectorRegistry()
     kinds = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     prom = TieredKVPromMetrics(SimpleNamespace(kv_transfer_config=None), kinds, ["model_name"], {0: ["m"]})
-    stats = TieredKVStats(data={"curve:dram.tokens": 4096, "curve:dram:0.5.hit_ratio": 0.25,
-                                "curve:dram:8.hit_ratio": 0.75, "curve:dram.sample_rate": 0.125})
+    stats = TieredKVStats(
+        data={
+            "curve:dram.tokens": 4096,
+            "curve:dram:0.5.hit_ratio": 0.25,
+            "curve:dram:8.hit_ratio": 0.75,
+            "curve:dram.sample_rate": 0.125,
+        }
+    )
     assert not stats.is_empty()
     prom.observe(stats.reduce())
     value = registry.get_sample_value
@@ -119,8 +132,14 @@ def test_curves_and_cost_rates_reach_prometheus_as_labelled_series():
     assert value("kvcache:curve_hit_ratio", {"model_name": "m", "tier": "dram", "size": "0.5"}) == 0.25
     assert value("kvcache:curve_hit_ratio", {"model_name": "m", "tier": "dram", "size": "8"}) == 0.75
     assert value("kvcache:curve_sample_rate", {"model_name": "m", "tier": "dram"}) == 0.125
-    prom.observe({"cost:disk.load_latency_seconds": 0.002, "cost:disk.load_seconds_per_token": 3e-6,
-                  "cost:prefill.seconds_per_token": 1e-4, "cost:prefill.seconds_per_pair": 1e-9})
+    prom.observe(
+        {
+            "cost:disk.load_latency_seconds": 0.002,
+            "cost:disk.load_seconds_per_token": 3e-6,
+            "cost:prefill.seconds_per_token": 1e-4,
+            "cost:prefill.seconds_per_pair": 1e-9,
+        }
+    )
     assert value("kvcache:cost_load_latency_seconds", {"model_name": "m", "tier": "disk"}) == 0.002
     assert value("kvcache:cost_load_seconds_per_token", {"model_name": "m", "tier": "disk"}) == 3e-6
     assert value("kvcache:cost_prefill_seconds_per_token", {"model_name": "m"}) == 1e-4
@@ -142,14 +161,28 @@ def test_the_scheduler_feeds_each_request_once_when_it_finishes(tmp_path):
     from cache.keys import Namespace
     from cache.vllm.scheduler import SchedulerSide
 
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "64MiB"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "64MiB",
+        }
+    )
     ns = Namespace("m", "d", "bfloat16", "x", chunk_tokens=256)
     manager = SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),))
     side = SchedulerSide(cfg, [ns], 128, lambda: manager, curves=tier_curves(cfg, 1 << 20))
     toks = [int(t) for t in np.random.default_rng(0).integers(0, 250, 1500)]
-    req = SimpleNamespace(request_id="a", prompt_token_ids=toks, all_token_ids=toks, lora_request=None,
-                          mm_features=None, prompt_embeds=None, kv_transfer_params=None, cache_salt=None)
+    req = SimpleNamespace(
+        request_id="a",
+        prompt_token_ids=toks,
+        all_token_ids=toks,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+        kv_transfer_params=None,
+        cache_salt=None,
+    )
     side.get_num_new_matched_tokens(req, 0)
     side.get_num_new_matched_tokens(req, 0)
     assert "curve:dram.tokens" not in (side.get_stats() or SimpleNamespace(data={})).data  # not on the lookup

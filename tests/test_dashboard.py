@@ -14,12 +14,16 @@ from tests.conftest import REPO
 
 
 def test_promql_names():
-    expr = ('histogram_quantile(0.95, sum by (le, prefix_source) (rate(kvcache_time_to_first_token_seconds_bucket'
-            '{tier!="x:y", a=~"b|c"}[$__rate_interval]))) / on (tier) group_left max without (engine) '
-            '(kvcache:tier_used_bytes offset 5m) > bool 1e3')
+    expr = (
+        "histogram_quantile(0.95, sum by (le, prefix_source) (rate(kvcache_time_to_first_token_seconds_bucket"
+        '{tier!="x:y", a=~"b|c"}[$__rate_interval]))) / on (tier) group_left max without (engine) '
+        "(kvcache:tier_used_bytes offset 5m) > bool 1e3"
+    )
     assert metric_names(expr) == {"kvcache_time_to_first_token_seconds_bucket", "kvcache:tier_used_bytes"}
-    text = ("# HELP kvcache:tier_hits_total x\n# TYPE kvcache:tier_hits_total counter\n"
-            "# TYPE kvcache_request_kv_bytes histogram\nvllm:num_requests_running{a=\"b\"} 1.0\n")
+    text = (
+        "# HELP kvcache:tier_hits_total x\n# TYPE kvcache:tier_hits_total counter\n"
+        '# TYPE kvcache_request_kv_bytes histogram\nvllm:num_requests_running{a="b"} 1.0\n'
+    )
     expected = {"kvcache:tier_hits_total", "kvcache_request_kv_bytes_bucket", "vllm:num_requests_running"}
     assert expected <= exported_names(text)
 
@@ -27,8 +31,9 @@ def test_promql_names():
 def test_every_panel_has_queries_over_our_series():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["panels"] and all(p["targets"] for p in dash["panels"] if p["type"] != "text")
-    sources = "\n".join(p.read_text() for p in (REPO / "cache").rglob("*.py")) + \
-        "\n".join(p.read_text() for p in (REPO / "serving").rglob("*.py"))
+    sources = "\n".join(p.read_text() for p in (REPO / "cache").rglob("*.py")) + "\n".join(
+        p.read_text() for p in (REPO / "serving").rglob("*.py")
+    )
     for title, _legend, expr in queries():
         names = metric_names(expr)
         assert names, (title, expr)
@@ -36,14 +41,29 @@ def test_every_panel_has_queries_over_our_series():
             if name.startswith("vllm:"):
                 continue  # vLLM's own; checked against a server's /metrics in test_server.py
             base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-            assert f'"{base}' in sources or f'"{name}' in sources or \
-                'kvcache:tier_{field}' in sources and base.startswith("kvcache:tier_"), (title, name)
+            assert (
+                f'"{base}' in sources
+                or f'"{name}' in sources
+                or "kvcache:tier_{field}" in sources
+                and base.startswith("kvcache:tier_")
+            ), (title, name)
     # each subject the issue names has a panel
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for subject in ("hit ratio", "tokens served per tier", "time to first token", "misses by cause",
-                    "tier usage", "evictions", "shared tier health", "kv bytes per request",
-                    "energy per generated token", "miss-ratio curves", "capacity curve",
-                    "requests measured per band", "capacity measured by the benchmark"):
+    for subject in (
+        "hit ratio",
+        "tokens served per tier",
+        "time to first token",
+        "misses by cause",
+        "tier usage",
+        "evictions",
+        "shared tier health",
+        "kv bytes per request",
+        "energy per generated token",
+        "miss-ratio curves",
+        "capacity curve",
+        "requests measured per band",
+        "capacity measured by the benchmark",
+    ):
         assert subject in titles, subject
 
 
@@ -76,7 +96,9 @@ def test_live_capacity_curve_queries_the_load_histogram_by_band():
     got = {title: expr for title, _legend, expr in queries() if title.startswith("Capacity curve")}
     assert len(got) == 2
     for expr in got.values():
-        assert metric_names(expr) <= {"kvcache_time_to_first_token_by_load_seconds_bucket",
-                                      "kvcache_time_to_first_token_by_load_seconds_count"}
+        assert metric_names(expr) <= {
+            "kvcache_time_to_first_token_by_load_seconds_bucket",
+            "kvcache_time_to_first_token_by_load_seconds_count",
+        }
         assert "by (le, in_flight)" in expr or "by (in_flight)" in expr
         assert "$__range" in expr

@@ -20,7 +20,7 @@ from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "deploy"))   # the scripts import their siblings, as when run
+sys.path.insert(0, str(REPO / "deploy"))  # the scripts import their siblings, as when run
 import sagemaker_endpoint as cli  # noqa: E402
 import sagemaker_requests as dep  # noqa: E402
 
@@ -28,11 +28,23 @@ ARN = "arn:aws:sagemaker:us-east-1:123456789012:endpoint/kv"
 ROLE = "arn:aws:iam::123456789012:role/SageMakerExecution"
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/sagemaker-tiered-kvcache:abc-gpu"
 SPEC = dep.EndpointSpec(
-    name="llama3-kv", image_uri=IMAGE, role_arn=ROLE, instance_type="ml.g5.12xlarge",
-    hf_model_id="meta-llama/Meta-Llama-3-8B-Instruct", num_gpus=4, dram_size="40%", disk_size="60%",
-    shared_url="curvine:///kvcache/llama3", curvine_masters="10.0.1.10:8995,10.0.1.11:8995",
-    signing_key="k" * 32, subnets=("subnet-0a1b", "subnet-2c3d"), security_group_ids=("sg-0e4f",),
-    routing="prefix-aware", extra_env={"SM_VLLM_MAX_MODEL_LEN": "32768"}, tags={"team": "ml"})
+    name="llama3-kv",
+    image_uri=IMAGE,
+    role_arn=ROLE,
+    instance_type="ml.g5.12xlarge",
+    hf_model_id="meta-llama/Meta-Llama-3-8B-Instruct",
+    num_gpus=4,
+    dram_size="40%",
+    disk_size="60%",
+    shared_url="curvine:///kvcache/llama3",
+    curvine_masters="10.0.1.10:8995,10.0.1.11:8995",
+    signing_key="k" * 32,
+    subnets=("subnet-0a1b", "subnet-2c3d"),
+    security_group_ids=("sg-0e4f",),
+    routing="prefix-aware",
+    extra_env={"SM_VLLM_MAX_MODEL_LEN": "32768"},
+    tags={"team": "ml"},
+)
 STAMP = "20260101-000000"
 
 
@@ -49,7 +61,7 @@ def sm():
 
 
 def test_requests_carry_the_tier_settings_vpc_and_startup_timeout():
-    built = dep.requests(SPEC, STAMP)            # validated against botocore's models
+    built = dep.requests(SPEC, STAMP)  # validated against botocore's models
     model = built["CreateModel"][1]
     env = model["PrimaryContainer"]["Environment"]
     assert env["HF_MODEL_ID"] == "meta-llama/Meta-Llama-3-8B-Instruct" and env["SM_NUM_GPUS"] == "4"
@@ -66,7 +78,7 @@ def test_requests_carry_the_tier_settings_vpc_and_startup_timeout():
     assert env["SAGEMAKER_STARTUP_TIMEOUT"] == str(variant["ContainerStartupHealthCheckTimeoutInSeconds"]) == "1800"
     assert variant["ModelName"] == model["ModelName"] == f"llama3-kv-{STAMP}"
     assert variant["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE"
-    assert "HeadObject" not in built    # no client file to look for
+    assert "HeadObject" not in built  # no client file to look for
 
 
 def test_startup_timeout_follows_the_option_and_env_cannot_contradict_it():
@@ -75,16 +87,21 @@ def test_startup_timeout_follows_the_option_and_env_cannot_contradict_it():
     variant = dep.endpoint_config_request(spec, STAMP)["ProductionVariants"][0]
     assert env["SAGEMAKER_STARTUP_TIMEOUT"] == "2400" == str(variant["ContainerStartupHealthCheckTimeoutInSeconds"])
     with pytest.raises(ValueError, match="--startup-timeout"):
-        dep.environment(dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE,
-                                         extra_env={"SAGEMAKER_STARTUP_TIMEOUT": "600"}))
+        dep.environment(
+            dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, extra_env={"SAGEMAKER_STARTUP_TIMEOUT": "600"})
+        )
     with pytest.raises(ParamValidationError, match="maximum 3600"):
         dep.requests(dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, startup_timeout_s=4000), STAMP)
 
 
 def _ami_cuda() -> dict[str, tuple[int, int]]:
     """CUDA version of each InferenceAmiVersion, read from botocore's own documentation."""
-    shape = botocore.session.get_session().get_service_model("sagemaker").shape_for(
-        "ProductionVariant").members["InferenceAmiVersion"]
+    shape = (
+        botocore.session.get_session()
+        .get_service_model("sagemaker")
+        .shape_for("ProductionVariant")
+        .members["InferenceAmiVersion"]
+    )
     found = {}
     for name, body in re.findall(r"<dt>([\w.-]+)</dt>\s*<dd>(.*?)</dd>", shape.documentation, re.S):
         m = re.search(r"CUDA version: (\d+)\.(\d+)", body)
@@ -108,14 +125,16 @@ def test_gpu_instances_get_an_ami_whose_driver_runs_the_image_cuda():
     cpu = dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, instance_type="ml.m5.2xlarge")
     assert "InferenceAmiVersion" not in dep.endpoint_config_request(cpu, STAMP)["ProductionVariants"][0]
     with pytest.raises(ParamValidationError, match="InferenceAmiVersion"):
-        dep.requests(dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE,
-                                      inference_ami_version="al2-ami-gpu-99"), STAMP)
+        dep.requests(
+            dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, inference_ami_version="al2-ami-gpu-99"), STAMP
+        )
 
 
 def test_the_gpu_image_is_the_vllm_line_whose_cuda_the_ami_matches():
     text = (REPO / "docker" / "Dockerfile.gpu").read_text()
-    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v0\.32\.\d+$", text, re.M), \
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v0\.32\.\d+$", text, re.M), (
         "IMAGE_CUDA in deploy/sagemaker_endpoint.py was read for vLLM 0.32 (torch 2.13, CUDA 13.0)"
+    )
 
 
 def test_curvine_conf_must_be_in_the_model_data(sm):
@@ -123,15 +142,18 @@ def test_curvine_conf_must_be_in_the_model_data(sm):
     with pytest.raises(ValueError, match="no --model-data"):
         dep.model_request(dep.EndpointSpec(**base, curvine_conf="curvine.toml"), STAMP)
     with pytest.raises(ValueError, match="sees only the model data"):
-        dep.model_request(dep.EndpointSpec(**base, model_data_url="s3://b/m/",
-                                           curvine_conf="/etc/curvine/curvine-cluster.toml"), STAMP)
+        dep.model_request(
+            dep.EndpointSpec(**base, model_data_url="s3://b/m/", curvine_conf="/etc/curvine/curvine-cluster.toml"),
+            STAMP,
+        )
     with pytest.raises(ValueError, match="not a file inside"):
         dep.model_request(dep.EndpointSpec(**base, model_data_url="s3://b/m/", curvine_conf="../x.toml"), STAMP)
     with pytest.raises(ValueError, match="needs --curvine-masters or --curvine-conf"):
         dep.model_request(dep.EndpointSpec(**base), STAMP)
     # Inside the model: passed relative to the model folder; the file is looked up in S3.
-    spec = dep.EndpointSpec(**base, model_data_url="s3://bucket/models/m",
-                            curvine_conf="/opt/ml/model/curvine/curvine-cluster.toml")
+    spec = dep.EndpointSpec(
+        **base, model_data_url="s3://bucket/models/m", curvine_conf="/opt/ml/model/curvine/curvine-cluster.toml"
+    )
     built = dep.requests(spec, STAMP)
     environment = built["CreateModel"][1]["PrimaryContainer"]["Environment"]
     assert environment["KVCACHE_CURVINE_CONF"] == "curvine/curvine-cluster.toml"
@@ -139,76 +161,118 @@ def test_curvine_conf_must_be_in_the_model_data(sm):
     s3 = client("s3")
     client_, stub = sm
     with Stubber(s3) as s3stub:
-        s3stub.add_client_error("head_object", "404", "Not Found", http_status_code=404,
-                                expected_params=built["HeadObject"][1])
+        s3stub.add_client_error(
+            "head_object", "404", "Not Found", http_status_code=404, expected_params=built["HeadObject"][1]
+        )
         with pytest.raises(ValueError, match="does not exist in the model data"):
             cli.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3)
         s3stub.add_response("head_object", {"ContentLength": 120}, built["HeadObject"][1])
-        stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
-                          built["CreateModel"][1])
-        stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
-                          built["CreateEndpointConfig"][1])
-        stub.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint",
-                              expected_params={"EndpointName": "m"})
-        stub.add_response("create_endpoint", {"EndpointArn": ARN},
-                          {"EndpointName": "m", "EndpointConfigName": f"m-{STAMP}"})
+        stub.add_response(
+            "create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, built["CreateModel"][1]
+        )
+        stub.add_response(
+            "create_endpoint_config",
+            {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
+            built["CreateEndpointConfig"][1],
+        )
+        stub.add_client_error(
+            "describe_endpoint", "ValidationException", "Could not find endpoint", expected_params={"EndpointName": "m"}
+        )
+        stub.add_response(
+            "create_endpoint", {"EndpointArn": ARN}, {"EndpointName": "m", "EndpointConfigName": f"m-{STAMP}"}
+        )
         assert cli.deploy(client_, spec, stamp=STAMP, wait=False, log=lambda *_: None, s3=s3) == ARN
 
 
 def test_shared_tier_needs_a_signing_key_and_vpc_needs_both_halves():
     with pytest.raises(ValueError, match="signing key"):
-        dep.environment(dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE,
-                                         shared_url="curvine:///kv", curvine_masters="h:8995"))
+        dep.environment(
+            dep.EndpointSpec(
+                name="m", image_uri=IMAGE, role_arn=ROLE, shared_url="curvine:///kv", curvine_masters="h:8995"
+            )
+        )
     with pytest.raises(ValueError, match="both --subnets and --security-groups"):
         dep.model_request(dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE, subnets=("subnet-1",)), STAMP)
 
 
 def test_deploy_creates_model_config_and_endpoint(sm):
     client_, stub = sm
-    stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
-                      dep.model_request(SPEC, STAMP))
-    stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
-                      dep.endpoint_config_request(SPEC, STAMP))
-    stub.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint",
-                          expected_params={"EndpointName": "llama3-kv"})
-    stub.add_response("create_endpoint", {"EndpointArn": ARN},
-                      {"EndpointName": "llama3-kv", "EndpointConfigName": f"llama3-kv-{STAMP}",
-                       "Tags": [{"Key": "team", "Value": "ml"}]})
+    stub.add_response(
+        "create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, dep.model_request(SPEC, STAMP)
+    )
+    stub.add_response(
+        "create_endpoint_config",
+        {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
+        dep.endpoint_config_request(SPEC, STAMP),
+    )
+    stub.add_client_error(
+        "describe_endpoint",
+        "ValidationException",
+        "Could not find endpoint",
+        expected_params={"EndpointName": "llama3-kv"},
+    )
+    stub.add_response(
+        "create_endpoint",
+        {"EndpointArn": ARN},
+        {
+            "EndpointName": "llama3-kv",
+            "EndpointConfigName": f"llama3-kv-{STAMP}",
+            "Tags": [{"Key": "team", "Value": "ml"}],
+        },
+    )
     assert cli.deploy(client_, SPEC, stamp=STAMP, wait=False, log=lambda *_: None) == ARN
 
 
 def test_redeploy_updates_in_place_and_waits(sm):
     client_, stub = sm
-    stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
-                      {"ModelName": ANY, "PrimaryContainer": ANY, "ExecutionRoleArn": ANY, "VpcConfig": ANY,
-                       "Tags": ANY})
-    stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
-                      {"EndpointConfigName": ANY, "ProductionVariants": ANY, "Tags": ANY})
-    described = {"EndpointName": "llama3-kv", "EndpointArn": ARN, "EndpointConfigName": "old",
-                 "EndpointStatus": "InService", "CreationTime": "2026-01-01T00:00:00Z",
-                 "LastModifiedTime": "2026-01-01T00:00:00Z"}
+    stub.add_response(
+        "create_model",
+        {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
+        {"ModelName": ANY, "PrimaryContainer": ANY, "ExecutionRoleArn": ANY, "VpcConfig": ANY, "Tags": ANY},
+    )
+    stub.add_response(
+        "create_endpoint_config",
+        {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"},
+        {"EndpointConfigName": ANY, "ProductionVariants": ANY, "Tags": ANY},
+    )
+    described = {
+        "EndpointName": "llama3-kv",
+        "EndpointArn": ARN,
+        "EndpointConfigName": "old",
+        "EndpointStatus": "InService",
+        "CreationTime": "2026-01-01T00:00:00Z",
+        "LastModifiedTime": "2026-01-01T00:00:00Z",
+    }
     stub.add_response("describe_endpoint", described, {"EndpointName": "llama3-kv"})
-    stub.add_response("update_endpoint", {"EndpointArn": ARN},
-                      {"EndpointName": "llama3-kv", "EndpointConfigName": f"llama3-kv-{STAMP}"})
+    stub.add_response(
+        "update_endpoint",
+        {"EndpointArn": ARN},
+        {"EndpointName": "llama3-kv", "EndpointConfigName": f"llama3-kv-{STAMP}"},
+    )
     stub.add_response("describe_endpoint", described, {"EndpointName": "llama3-kv"})  # the waiter
     assert cli.deploy(client_, SPEC, stamp=STAMP, wait=True, log=lambda *_: None) == ARN
 
 
 def test_uncompressed_model_data_and_no_routing(sm):
     client_, stub = sm
-    spec = dep.EndpointSpec(name="m", image_uri=IMAGE, role_arn=ROLE,
-                            model_data_url="s3://bucket/models/llama3", volume_size_gb=200)
+    spec = dep.EndpointSpec(
+        name="m", image_uri=IMAGE, role_arn=ROLE, model_data_url="s3://bucket/models/llama3", volume_size_gb=200
+    )
     req = dep.model_request(spec, STAMP)
     assert req["PrimaryContainer"]["ModelDataSource"]["S3DataSource"] == {
-        "S3Uri": "s3://bucket/models/llama3/", "S3DataType": "S3Prefix", "CompressionType": "None"}
+        "S3Uri": "s3://bucket/models/llama3/",
+        "S3DataType": "S3Prefix",
+        "CompressionType": "None",
+    }
     cfg = dep.endpoint_config_request(spec, STAMP)
     assert "RoutingConfig" not in cfg["ProductionVariants"][0]
     stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, req)
     stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c"}, cfg)
-    client_.create_model(**req)          # the Stubber validates both against the service model
+    client_.create_model(**req)  # the Stubber validates both against the service model
     client_.create_endpoint_config(**cfg)
-    tarball = dep.model_request(dep.EndpointSpec(name="m", image_uri="i", role_arn="r",
-                                                 model_data_url="s3://b/model.tar.gz"), STAMP)
+    tarball = dep.model_request(
+        dep.EndpointSpec(name="m", image_uri="i", role_arn="r", model_data_url="s3://b/model.tar.gz"), STAMP
+    )
     assert tarball["PrimaryContainer"]["ModelDataUrl"] == "s3://b/model.tar.gz"
 
 
@@ -225,22 +289,35 @@ def test_service_model_rejects_a_bad_request():
 
 def test_env_limits():
     with pytest.raises(ValueError, match="1024"):
-        dep.environment(dep.EndpointSpec(name="m", image_uri="i", role_arn="r",
-                                         extra_env={"X": "y" * 2000}))
+        dep.environment(dep.EndpointSpec(name="m", image_uri="i", role_arn="r", extra_env={"X": "y" * 2000}))
     with pytest.raises(ValueError, match="routing"):
-        dep.endpoint_config_request(dep.EndpointSpec(name="m", image_uri="i", role_arn="r",
-                                                     routing="sticky"), STAMP)
+        dep.endpoint_config_request(dep.EndpointSpec(name="m", image_uri="i", role_arn="r", routing="sticky"), STAMP)
 
 
 def test_delete(sm):
     client_, stub = sm
-    stub.add_response("describe_endpoint", {"EndpointName": "kv", "EndpointArn": ARN, "EndpointConfigName": "c1",
-                                            "EndpointStatus": "InService", "CreationTime": "2026-01-01T00:00:00Z",
-                                            "LastModifiedTime": "2026-01-01T00:00:00Z"}, {"EndpointName": "kv"})
-    stub.add_response("describe_endpoint_config", {
-        "EndpointConfigName": "c1", "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c1",
-        "CreationTime": "2026-01-01T00:00:00Z",
-        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "m1"}]}, {"EndpointConfigName": "c1"})
+    stub.add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "kv",
+            "EndpointArn": ARN,
+            "EndpointConfigName": "c1",
+            "EndpointStatus": "InService",
+            "CreationTime": "2026-01-01T00:00:00Z",
+            "LastModifiedTime": "2026-01-01T00:00:00Z",
+        },
+        {"EndpointName": "kv"},
+    )
+    stub.add_response(
+        "describe_endpoint_config",
+        {
+            "EndpointConfigName": "c1",
+            "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:ec/c1",
+            "CreationTime": "2026-01-01T00:00:00Z",
+            "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "m1"}],
+        },
+        {"EndpointConfigName": "c1"},
+    )
     stub.add_response("delete_endpoint", {}, {"EndpointName": "kv"})
     stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": "c1"})
     stub.add_response("delete_model", {}, {"ModelName": "m1"})
@@ -250,6 +327,7 @@ def test_delete(sm):
 class _Runtime(BaseHTTPRequestHandler):
     """Answers POST /endpoints/NAME/invocations as SageMaker's runtime does for a stateful
     session, and records the headers it received."""
+
     seen: list[dict[str, str]] = []
 
     def do_POST(self):  # noqa: N802 (http.server's name)
@@ -279,8 +357,13 @@ def test_invoke_opens_uses_and_closes_a_session_over_http():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Runtime)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        rt = boto3.client("sagemaker-runtime", region_name="us-east-1", aws_access_key_id="x",
-                          aws_secret_access_key="x", endpoint_url=f"http://127.0.0.1:{server.server_port}")
+        rt = boto3.client(
+            "sagemaker-runtime",
+            region_name="us-east-1",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            endpoint_url=f"http://127.0.0.1:{server.server_port}",
+        )
         answer, sid = cli.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="user-7")
         assert answer == {"generated_text": "hi"} and sid == "sess-1"
         answer, sid = cli.invoke(rt, "kv", {"inputs": "more"}, session_id=sid)
@@ -305,16 +388,27 @@ def test_invoke_through_the_stubber_validates_the_parameters():
     rt = client("sagemaker-runtime")
     body = json.dumps({"generated_text": "hi"}).encode()
     created = b"Session abc created"
-    common = {"EndpointName": "kv", "ContentType": "application/json", "Accept": "application/json",
-              "PrefixAwareId": "u1"}
+    common = {
+        "EndpointName": "kv",
+        "ContentType": "application/json",
+        "Accept": "application/json",
+        "PrefixAwareId": "u1",
+    }
     with Stubber(rt) as stub:
-        stub.add_response("invoke_endpoint", {
-            "Body": StreamingBody(io.BytesIO(created), len(created)), "ContentType": "text/plain",
-            "NewSessionId": "abc; Expires=2026-01-01T00:20:00Z"},
-            {**common, "Body": json.dumps({"requestType": "NEW_SESSION"}), "SessionId": "NEW_SESSION"})
-        stub.add_response("invoke_endpoint", {
-            "Body": StreamingBody(io.BytesIO(body), len(body)), "ContentType": "application/json"},
-            {**common, "Body": json.dumps({"inputs": "hi"}), "SessionId": "abc"})
+        stub.add_response(
+            "invoke_endpoint",
+            {
+                "Body": StreamingBody(io.BytesIO(created), len(created)),
+                "ContentType": "text/plain",
+                "NewSessionId": "abc; Expires=2026-01-01T00:20:00Z",
+            },
+            {**common, "Body": json.dumps({"requestType": "NEW_SESSION"}), "SessionId": "NEW_SESSION"},
+        )
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": StreamingBody(io.BytesIO(body), len(body)), "ContentType": "application/json"},
+            {**common, "Body": json.dumps({"inputs": "hi"}), "SessionId": "abc"},
+        )
         answer, sid = cli.invoke(rt, "kv", {"inputs": "hi"}, session_id="NEW_SESSION", prefix_aware_id="u1")
     assert answer == {"generated_text": "hi"} and sid == "abc"
 
@@ -322,12 +416,40 @@ def test_invoke_through_the_stubber_validates_the_parameters():
 def test_cli_dry_run_validates_and_hides_the_secrets(capsys, monkeypatch):
     monkeypatch.setenv("MY_HF_TOKEN", "hf_secret")
     monkeypatch.setenv("MY_KV_KEY", "kv_secret_key")
-    assert cli.main(["--name", "kv", "--image", IMAGE, "--role", ROLE,
-                     "--region", "us-east-1", "--hf-model-id", "org/model", "--hf-token-env", "MY_HF_TOKEN",
-                     "--model-data", "s3://b/models/m/", "--shared-url", "curvine:///kvcache/m",
-                     "--curvine-conf", "curvine/curvine-cluster.toml", "--signing-key-env", "MY_KV_KEY",
-                     "--subnets", "subnet-0a1b,subnet-2c3d", "--security-groups", "sg-0e4f",
-                     "--env", "SM_VLLM_MAX_MODEL_LEN=4096", "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "--name",
+                "kv",
+                "--image",
+                IMAGE,
+                "--role",
+                ROLE,
+                "--region",
+                "us-east-1",
+                "--hf-model-id",
+                "org/model",
+                "--hf-token-env",
+                "MY_HF_TOKEN",
+                "--model-data",
+                "s3://b/models/m/",
+                "--shared-url",
+                "curvine:///kvcache/m",
+                "--curvine-conf",
+                "curvine/curvine-cluster.toml",
+                "--signing-key-env",
+                "MY_KV_KEY",
+                "--subnets",
+                "subnet-0a1b,subnet-2c3d",
+                "--security-groups",
+                "sg-0e4f",
+                "--env",
+                "SM_VLLM_MAX_MODEL_LEN=4096",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     shown = json.loads(out)
     env = shown["CreateModel"]["PrimaryContainer"]["Environment"]

@@ -52,6 +52,7 @@ class Disk:
             reader = make(fd, path)
             self.readers.append(type(reader).__name__)
             return reader
+
         self.tier.direct.open_reader = spy
 
     def put(self, i: int, shape: tuple[int, ...]):
@@ -65,13 +66,13 @@ class Disk:
             pytest.skip("this filesystem keeps its files in the page cache")
         return key, data
 
-
     def layers(self, key, n: int):
         """Read ``key`` a layer at a time into a new buffer of ``n`` bytes: (buffer, whether
         every layer read and the entry verified)."""
         buf = bytearray(n)
-        read = self.store.read_layers(key, lambda info: [memoryview(buf)[:n // 3], memoryview(buf)[n // 3:]],
-                                      BlockWriters())
+        read = self.store.read_layers(
+            key, lambda info: [memoryview(buf)[: n // 3], memoryview(buf)[n // 3 :]], BlockWriters()
+        )
         if read is None:
             return buf, False
         while not read.read.done:
@@ -154,6 +155,7 @@ def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_page_cache(d
             if flags & direct.O_DIRECT:
                 raise refusal
             return real_open(path, flags, *a)
+
         monkeypatch.setattr(direct.os, "open", open_)
     else:
         real_preadv = os.preadv
@@ -162,6 +164,7 @@ def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_page_cache(d
             if fcntl.fcntl(fd, fcntl.F_GETFL) & direct.O_DIRECT:
                 raise refusal
             return real_preadv(fd, buffers, offset, *a)
+
         monkeypatch.setattr(direct.os, "preadv", preadv)
     with caplog.at_level(logging.WARNING, logger="cache.tiers.direct"):
         buf, ok = disk.layers(key, data.size)

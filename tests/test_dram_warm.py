@@ -30,8 +30,8 @@ from tests.test_serving_config import CPU_BOX, args_of, env, model_dir, warm_env
 from tests.test_shared_tier import remote
 from tests.test_tiers_store import NS, payload
 
-ENTRY = 1000 + 256       # one chunk's entry: payload + header
-CHUNK = 16               # tokens per chunk
+ENTRY = 1000 + 256  # one chunk's entry: payload + header
+CHUNK = 16  # tokens per chunk
 
 
 def entry(key: str, parent, i: int) -> list:
@@ -46,8 +46,11 @@ def put(tier, key: str, parent, i: int = 0) -> None:
 def node(tmp_path, dram_entries: int):
     """A worker's store: DRAM (tmpfs-like folder), disk, and the shared tier."""
     l3 = remote(tmp_path / "l3")
-    tiers = [FileTier(str(tmp_path / "dram"), "ns", dram_entries * ENTRY, "dram", use_mmap=True),
-             FileTier(str(tmp_path / "disk"), "ns", 100 * ENTRY, "disk"), l3]
+    tiers = [
+        FileTier(str(tmp_path / "dram"), "ns", dram_entries * ENTRY, "dram", use_mmap=True),
+        FileTier(str(tmp_path / "disk"), "ns", 100 * ENTRY, "disk"),
+        l3,
+    ]
     return TieredStore(tiers, NS, [LRUPolicy(), LRUPolicy()]), l3
 
 
@@ -69,7 +72,7 @@ def publish_note(l3, node_name: str, uses: list[tuple[list, int]]) -> None:
 def fleet(tmp_path):
     """A shared tier two nodes have used: chains a (4 chunks, used 10 times), b (3, 5 times;
     its second entry damaged), c (2, once); two prompts of the warm-prompt set."""
-    p_tokens, q_tokens = list(range(100, 140)), list(range(200, 248))   # 2 chunks + tail; 3 chunks
+    p_tokens, q_tokens = list(range(100, 140)), list(range(200, 248))  # 2 chunks + tail; 3 chunks
     p = [k for k, _s, _e in prompt_chunks(NS, p_tokens, CHUNK)]
     q = [k for k, _s, _e in prompt_chunks(NS, q_tokens, CHUNK)]
     put(FileTier(str(tmp_path / "disk"), "ns", 100 * ENTRY, "disk"), q[0], None)  # on this node's disk
@@ -85,7 +88,7 @@ def fleet(tmp_path):
     publish_note(l3, "node-2", [(a, 4), (c, 1)])
     for i, k in enumerate(p):
         put(l3, k, p[i - 1] if i else None, i)
-    put(l3, q[2], q[1])   # q[1] is nowhere
+    put(l3, q[2], q[1])  # q[1] is nowhere
     return store, (a, b, c), (p_tokens, q_tokens), (p, q)
 
 
@@ -101,7 +104,7 @@ def test_prompts_then_the_hottest_entries_in_order_within_the_budget(fleet):
     # b[2] cannot load without it; c[0]; c[1] would pass the budget
     assert s["hot"] == {"planned": 9, "warm": 6, "copied": 6, "bytes": 6 * ENTRY, "absent": 1, "skipped": 2}
     assert dram_keys(store) == set(p) | {q[0]} | {x.key for x in a} | {b[0].key, c[0].key}
-    for key in dram_keys(store):   # what was installed is sound, and the policy tracks it
+    for key in dram_keys(store):  # what was installed is sound, and the policy tracks it
         decode(store.tiers[0].read(key), NS, key, b"")
     store.check()
     assert store.counters()["dram.promotions"] == 10 and store.counters()["shared.corrupt"] == 1
@@ -120,7 +123,7 @@ def test_dram_capacity_bounds_the_warm_up_and_entries_there_count_without_a_copy
     warm = DramWarm(store, NS, CHUNK)
     warm.run([], budget=100 * ENTRY)
     hot = warm.status()["hot"]
-    assert hot["warm"] == 3 and hot["copied"] == 2 and hot["skipped"] == 2   # DRAM holds 3 entries
+    assert hot["warm"] == 3 and hot["copied"] == 2 and hot["skipped"] == 2  # DRAM holds 3 entries
     assert dram_keys(store) == {x.key for x in a[:3]}
     store.check()
     store.close()
@@ -128,15 +131,21 @@ def test_dram_capacity_bounds_the_warm_up_and_entries_there_count_without_a_copy
 
 def test_dram_capacity_bounds_the_warm_prompts(tmp_path):
     store, l3 = node(tmp_path, dram_entries=3)
-    tokens = list(range(300, 380))   # 5 whole chunks
+    tokens = list(range(300, 380))  # 5 whole chunks
     keys = [k for k, _s, _e in prompt_chunks(NS, tokens, CHUNK)]
     for i, k in enumerate(keys):
         put(l3, k, keys[i - 1] if i else None, i)
     warm = DramWarm(store, NS, CHUNK)
     warm.run([tokens], budget=0)
-    assert warm.status()["prompts"] == {"planned": 5, "warm": 3, "copied": 3, "bytes": 3 * ENTRY, "absent": 0,
-                                        "skipped": 2}
-    assert dram_keys(store) == set(keys[:3])   # the first three, none evicted for a later one
+    assert warm.status()["prompts"] == {
+        "planned": 5,
+        "warm": 3,
+        "copied": 3,
+        "bytes": 3 * ENTRY,
+        "absent": 0,
+        "skipped": 2,
+    }
+    assert dram_keys(store) == set(keys[:3])  # the first three, none evicted for a later one
     store.close()
 
 
@@ -162,7 +171,7 @@ def test_a_damaged_entry_in_dram_is_replaced_by_a_sound_copy_never_counted_warm(
     open(path, "wb").write(raw)
     store, _l3 = node(tmp_path, dram_entries=3)
     assert store.copy_up(a[0].key) == ("copied", ENTRY)
-    decode(store.tiers[0].read(a[0].key), NS, a[0].key, b"")   # sound now
+    decode(store.tiers[0].read(a[0].key), NS, a[0].key, b"")  # sound now
     assert store.counters()["dram.corrupt"] == 1
     assert store.copy_up(a[0].key) == ("held", ENTRY)
     store.close()
@@ -187,24 +196,27 @@ def test_the_worker_methods_return_at_once_while_the_copying_runs_on_its_own_thr
     store, entered, release = fleet[0], threading.Event(), threading.Event()
     copy_up = store.copy_up
 
-    def blocked_copy_up(key, fits=lambda n: True):   # the first copy waits to be released
+    def blocked_copy_up(key, fits=lambda n: True):  # the first copy waits to be released
         if not entered.is_set():
             entered.set()
             release.wait(60)
         return copy_up(key, fits)
 
     monkeypatch.setattr(store, "copy_up", blocked_copy_up)
-    side = SimpleNamespace(store=store, namespace=SimpleNamespace(chain_digest=NS),
-                           config=SimpleNamespace(dram_bytes=12 * ENTRY, chunk_tokens=CHUNK))
+    side = SimpleNamespace(
+        store=store,
+        namespace=SimpleNamespace(chain_digest=NS),
+        config=SimpleNamespace(dram_bytes=12 * ENTRY, chunk_tokens=CHUNK),
+    )
     monkeypatch.setattr(warm_rpc, "_worker_side", lambda: side)
     monkeypatch.setattr(warm_rpc, "_warm", None)
     ext = warm_rpc.KVCacheWorkerExtension()
     assert ext.kvcache_warm_status()["state"] == "off"
     try:
         assert ext.kvcache_warm_dram({"prompts": fleet[2], "budget": 100 * ENTRY})["state"] == "warming"
-        assert entered.wait(60)    # the copy is under way, and blocked ...
-        assert ext.kvcache_warm_status()["state"] == "warming"    # ... while every method answers
-        assert ext.kvcache_warm_dram({"prompts": [], "budget": 0})["state"] == "warming"   # the same one
+        assert entered.wait(60)  # the copy is under way, and blocked ...
+        assert ext.kvcache_warm_status()["state"] == "warming"  # ... while every method answers
+        assert ext.kvcache_warm_dram({"prompts": [], "budget": 0})["state"] == "warming"  # the same one
         assert ext.kvcache_warm_stop()["state"] == "warming"
     finally:
         release.set()
@@ -212,7 +224,7 @@ def test_the_worker_methods_return_at_once_while_the_copying_runs_on_its_own_thr
     while ext.kvcache_warm_status()["state"] == "warming" and time.monotonic() < deadline:
         time.sleep(0.01)
     s = ext.kvcache_warm_status()
-    assert s["state"] == "stopped" and s["prompts"]["warm"] == 1   # the entry being copied, then no more
+    assert s["state"] == "stopped" and s["prompts"]["warm"] == 1  # the entry being copied, then no more
     store.close()
 
 
@@ -231,10 +243,10 @@ class Workers:
         state = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
         if method == "kvcache_warm_stop":
             state = "stopped"
-        hot = {"planned": 4, "warm": 4 if state == "done" else 1, "copied": 1, "bytes": 1000, "absent": 0,
-               "skipped": 0}
-        return [{"state": state, "seconds": 1.0, "notes": 2, "prompts": {"planned": 2, "warm": 2, "bytes": 10},
-                 "hot": hot}]
+        hot = {"planned": 4, "warm": 4 if state == "done" else 1, "copied": 1, "bytes": 1000, "absent": 0, "skipped": 0}
+        return [
+            {"state": state, "seconds": 1.0, "notes": 2, "prompts": {"planned": 2, "warm": 2, "bytes": 10}, "hot": hot}
+        ]
 
 
 def settings(tmp_path, prompts: bool = True) -> EngineSettings:
@@ -288,7 +300,7 @@ def test_a_failing_warm_up_or_a_stopping_server_ends_it_and_ping_turns_healthy(t
 
     clock = Clock(0.0)
 
-    async def go():   # the server stops while the warm-up runs, well before its deadline
+    async def go():  # the server stops while the warm-up runs, well before its deadline
         warm = ServerWarm(settings(tmp_path), deadline=100.0, clock=clock)
         task = asyncio.create_task(warm.run(Workers(["warming"])))
         while not task.done():
@@ -315,8 +327,9 @@ def test_ping_says_warming_dram_until_the_warm_up_ends_and_metrics_show_it(warm_
     assert 'kvcache_dram_warm_state{state="starting"} 1.0' in text
     engine.state, engine.client = State.READY, type("Client", (), {"errored": False})()
     engine.dram_warm = ServerWarm(cfg.engine, deadline=1e18)
-    engine.dram_warm.ranks = [{"state": "warming", "prompts": {"warm": 2, "bytes": 100},
-                               "hot": {"warm": 3, "bytes": 300, "planned": 9}}]
+    engine.dram_warm.ranks = [
+        {"state": "warming", "prompts": {"warm": 2, "bytes": 100}, "hot": {"warm": 3, "bytes": 300, "planned": 9}}
+    ]
     r = call(app, "GET", "/ping")
     assert r.status_code == 503 and r.json() == {"status": "warming dram", "entries": 5, "bytes": 400}, r.text
     text = generate_latest(app.state.metrics.registry).decode()
@@ -332,16 +345,16 @@ def test_the_setting(warm_env, tmp_path):  # noqa: F811
     assert cfg.engine.warm_dram_bytes == cfg.plan.cache.dram_bytes // 2
     assert args_of(cfg)["--worker-extension-cls"] == "cache.vllm.warm_rpc.KVCacheWorkerExtension"
     assert "/ping healthy once DRAM holds" in cfg.describe()
-    assert ("KVCACHE_WARM_DRAM=50%", "--worker-extension-cls cache.vllm.warm_rpc.KVCacheWorkerExtension") \
-        in cfg.effects
+    assert ("KVCACHE_WARM_DRAM=50%", "--worker-extension-cls cache.vllm.warm_rpc.KVCacheWorkerExtension") in cfg.effects
     big = build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "1000TiB"}, CPU_BOX)
-    assert big.engine.warm_dram_bytes == big.plan.cache.dram_bytes      # at most the tier
+    assert big.engine.warm_dram_bytes == big.plan.cache.dram_bytes  # at most the tier
     off = build_serving_config(warm_env, CPU_BOX)
     assert off.engine.warm_dram_bytes == 0 and "--worker-extension-cls" not in args_of(off)
-    for change, words in [({"KVCACHE_SHARED_URL": "", "KVCACHE_WARM_PROMPTS": ""}, "needs the tiered cache on, "
-                           "KVCACHE_SHARED_URL"),
-                          ({"KVCACHE_DRAM_SIZE": "0"}, "a DRAM tier"),
-                          ({"KVCACHE_WARM_DRAM": "lots"}, "is not a size"),
-                          ({"SM_VLLM_WORKER_EXTENSION_CLS": "my.Ext"}, "SM_VLLM_WORKER_EXTENSION_CLS sets another")]:
+    for change, words in [
+        ({"KVCACHE_SHARED_URL": "", "KVCACHE_WARM_PROMPTS": ""}, "needs the tiered cache on, KVCACHE_SHARED_URL"),
+        ({"KVCACHE_DRAM_SIZE": "0"}, "a DRAM tier"),
+        ({"KVCACHE_WARM_DRAM": "lots"}, "is not a size"),
+        ({"SM_VLLM_WORKER_EXTENSION_CLS": "my.Ext"}, "SM_VLLM_WORKER_EXTENSION_CLS sets another"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             build_serving_config({**warm_env, "KVCACHE_WARM_DRAM": "1GiB", **change}, CPU_BOX)

@@ -20,20 +20,20 @@ class RefuseAll(LRUPolicy):
 
 
 def test_reused_chunks_land_on_disk_and_survive_an_empty_dram_folder(tmp_path):
-    s = store(tmp_path, dram=20 * 1300)   # DRAM holds everything: nothing is evicted
+    s = store(tmp_path, dram=20 * 1300)  # DRAM holds everything: nothing is evicted
     reused, once = chunk_keys(NS, list(range(3 * 16)), 16), chunk_keys(NS, list(range(100, 148)), 16)
     put_chain(s, reused)
     put_chain(s, once)
     assert s.lookup(reused + once, local_only=True) == [0] * 6
-    s.persist(reused)                     # a later request found them
+    s.persist(reused)  # a later request found them
     assert s.flush(10)
     assert [s.tiers[1].contains(k) for k in reused + once] == [True] * 3 + [False] * 3
     assert s.stats.tiers["disk"].persisted == 3 and s.stats.tiers["disk"].writes == 3
-    s.persist(reused)                     # already there: nothing more
+    s.persist(reused)  # already there: nothing more
     assert s.flush(10) and s.stats.tiers["disk"].persisted == 3
     s.check()
     s.close()
-    shutil.rmtree(tmp_path / "shm")       # a new container: an empty DRAM folder, the same disk
+    shutil.rmtree(tmp_path / "shm")  # a new container: an empty DRAM folder, the same disk
     fresh = store(tmp_path, dram=20 * 1300)
     assert fresh.lookup(reused) == [1, 1, 1] and fresh.lookup(once) == []
     e = fresh.get(reused[0])
@@ -45,7 +45,7 @@ def test_the_copy_queue_is_bounded_and_the_disk_policy_decides(tmp_path):
     keys = chunk_keys(NS, list(range(6 * 16)), 16)
     s = store(tmp_path, dram=20 * 1300, max_persist_keys=2)
     put_chain(s, keys)
-    gate = threading.Event()              # the writer thread is busy with a put meanwhile
+    gate = threading.Event()  # the writer thread is busy with a put meanwhile
     assert s.put("ee" * 16, None, "uint8", (1000,), payload(9), ready=gate.wait)
     s.persist(keys)
     gate.set()
@@ -68,7 +68,7 @@ def test_closing_flushes_the_copies_to_disk(tmp_path):
     s = store(tmp_path, dram=20 * 1300)
     put_chain(s, keys)
     s.persist(keys)
-    assert s.close(timeout=10)            # SIGTERM: the workers close their stores
+    assert s.close(timeout=10)  # SIGTERM: the workers close their stores
     disk = FileTier(str(tmp_path / "disk"), "ns", 10 * 1300, "disk")
     assert sorted(k for k, _ in disk.scan()) == sorted(keys)
 
@@ -88,7 +88,7 @@ def test_stored_chunks_a_new_request_finds_are_reported_once(setup):  # noqa: F8
     first = request("a", 700)
     side.get_num_new_matched_tokens(first, 0)
     meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 700}))
-    assert meta.reused == []              # nothing was stored before it
+    assert meta.reused == []  # nothing was stored before it
     store_saves(writer, meta)
     side.request_finished(first)
     again = request("b", 700)
@@ -97,4 +97,3 @@ def test_stored_chunks_a_new_request_finds_are_reported_once(setup):  # noqa: F8
     side.get_num_new_matched_tokens(again, 640)  # asked again: reported once
     assert side.build_connector_meta(output()).reused == [c.key for c in side.requests["b"].chunks]
     assert side.build_connector_meta(output()).reused == []
-

@@ -29,16 +29,16 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-P1 = tokens(1, 1500)                  # 5 whole chunks + a 220-token tail
-P2 = P1[:600] + tokens(2, 400)        # shares two whole chunks with P1
-SHORT = tokens(3, 50)                 # shorter than one block
+P1 = tokens(1, 1500)  # 5 whole chunks + a 220-token tail
+P2 = P1[:600] + tokens(2, 400)  # shares two whole chunks with P1
+SHORT = tokens(3, 50)  # shorter than one block
 P4 = tokens(4, 900)
-PS = tokens(6, 700)                   # sent with cache_salt "tenantA" by one engine
-PA = tokens(5, 1409)                  # n - 1 on a block boundary: tier and L0 hits compute alike
-PL = tokens(7, 612)                   # two whole chunks and a tail
-PM = PL[:512] + tokens(8, 100)        # PL's two chunks and 100 new tokens: a partial hit
-HIT_P1 = 1500 - 1                     # a tier hit loads all but the last token
-L0_P1 = (1500 - 1) // BLOCK * BLOCK   # 1408: vLLM's own prefix cache holds whole blocks
+PS = tokens(6, 700)  # sent with cache_salt "tenantA" by one engine
+PA = tokens(5, 1409)  # n - 1 on a block boundary: tier and L0 hits compute alike
+PL = tokens(7, 612)  # two whole chunks and a tail
+PM = PL[:512] + tokens(8, 100)  # PL's two chunks and 100 new tokens: a partial hit
+HIT_P1 = 1500 - 1  # a tier hit loads all but the last token
+L0_P1 = (1500 - 1) // BLOCK * BLOCK  # 1408: vLLM's own prefix cache holds whole blocks
 
 
 def cache_spec(tmp, name, dram_size="64MiB", disk_size="256MiB", disk=None):
@@ -139,8 +139,11 @@ def test_a_partial_hit_loaded_layer_by_layer_equals_the_prefix_cache_hit(one_eng
     assert l0["num_cached_tokens"] == 512 and l0["loaded"] == {}
     assert sum(tier["loaded"].values()) == 512 == tier["num_cached_tokens"]
     assert same_logprobs(l0, tier)
-    loads = {mode: after["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0)
-             - before["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0) for mode in ("sync", "layered")}
+    loads = {
+        mode: after["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0)
+        - before["labelled"].get(f"kvcache:loads_total{{mode={mode}}}", 0)
+        for mode in ("sync", "layered")
+    }
     assert loads == {"sync": 0, "layered": 1}
 
 
@@ -166,8 +169,10 @@ def test_vllm_counts_our_hits_by_the_tier_that_served_them(one_engine):
     *requests, counted = one_engine
     served = {tier: sum(r.get("loaded", {}).get(tier, 0) for r in requests) for tier in ("dram", "disk")}
     assert served["dram"] and served["disk"]
-    by_source = {source: counted["labelled"].get(f"vllm:prompt_tokens_cached_by_source_total{{source={source}}}")
-                 for source in ("host", "disk", "external_unspecified")}
+    by_source = {
+        source: counted["labelled"].get(f"vllm:prompt_tokens_cached_by_source_total{{source={source}}}")
+        for source in ("host", "disk", "external_unspecified")
+    }
     assert by_source["external_unspecified"] == 0 and by_source["host"] and by_source["disk"], by_source
     assert by_source["host"] + by_source["disk"] == served["dram"] + served["disk"], (by_source, served)
     assert abs(by_source["disk"] - served["disk"]) <= 2 * CHUNK, (by_source, served)
@@ -201,14 +206,26 @@ def two_engines(model_path, tmp):
         (P1, m1, m2, P4, "d1"),
         (P4, m2, m1, P1, "d2"),
     ]
-    procs = [start_engine({
-        "model": model_path,
-        "prefix_caching": False,
-        "cache": exact_spec(tmp, name, dram_size="0", disk=shared),
-        "steps": [{"prompt_token_ids": own}, *salted, {"sleep": 1.0}, {"touch": str(mine)},
-                  {"wait_for": str(theirs)}, {"prompt_token_ids": other}],
-    }) for (own, mine, theirs, other, name), salted in zip(specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}],
-                                                                    []))]
+    procs = [
+        start_engine(
+            {
+                "model": model_path,
+                "prefix_caching": False,
+                "cache": exact_spec(tmp, name, dram_size="0", disk=shared),
+                "steps": [
+                    {"prompt_token_ids": own},
+                    *salted,
+                    {"sleep": 1.0},
+                    {"touch": str(mine)},
+                    {"wait_for": str(theirs)},
+                    {"prompt_token_ids": other},
+                ],
+            }
+        )
+        for (own, mine, theirs, other, name), salted in zip(
+            specs, ([{"prompt_token_ids": PS, "cache_salt": "tenantA"}], [])
+        )
+    ]
     return [finish_engine(p) for p in procs]
 
 
@@ -270,8 +287,7 @@ def test_damaged_entries_are_recomputed_not_served(fresh_engine, one_engine, tmp
 
 
 def test_bad_chunk_size_stops_startup_with_one_message(model_path, tmp):
-    spec = {"model": model_path, "cache": {**exact_spec(tmp, "bad"), "KVCACHE_CHUNK_TOKENS": "200"},
-            "steps": []}
+    spec = {"model": model_path, "cache": {**exact_spec(tmp, "bad"), "KVCACHE_CHUNK_TOKENS": "200"}, "steps": []}
     with pytest.raises(AssertionError) as err:
         run_engine(spec, timeout=300)
     assert "KVCACHE_CHUNK_TOKENS=200 is not a multiple of vLLM's block size (128)" in str(err.value)

@@ -24,13 +24,24 @@ def results(model_path, tmp_path_factory):
     shared = tmp_path_factory.mktemp("cost") / "l3"
     shared.mkdir()
     prompt = {"prompt_token_ids": PROMPT}
-    return run_engine({"model": model_path, "prefix_caching": False, "log_stats": True, "cache": {
-        "KVCACHE_LOAD_DECISION": "cost",  # the engine driver's default is "always"
-        "KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0",
-        "KVCACHE_DISK_PATH": str(tmp_path_factory.mktemp("cost-disk")),
-        "KVCACHE_SHARED_URL": f"file://{shared}", "KVCACHE_SHARED_ADMISSION": "all",
-        "KVCACHE_SHARED_TIMEOUT_MS": "20000", "KVCACHE_SHARED_BANDWIDTH": "1MiB"}, "steps": [
-        prompt, {"sleep": 3.0}, prompt, prompt, {"metrics": "kvcache:"}]})
+    return run_engine(
+        {
+            "model": model_path,
+            "prefix_caching": False,
+            "log_stats": True,
+            "cache": {
+                "KVCACHE_LOAD_DECISION": "cost",  # the engine driver's default is "always"
+                "KVCACHE_DRAM_SIZE": "0",
+                "KVCACHE_DISK_SIZE": "0",
+                "KVCACHE_DISK_PATH": str(tmp_path_factory.mktemp("cost-disk")),
+                "KVCACHE_SHARED_URL": f"file://{shared}",
+                "KVCACHE_SHARED_ADMISSION": "all",
+                "KVCACHE_SHARED_TIMEOUT_MS": "20000",
+                "KVCACHE_SHARED_BANDWIDTH": "1MiB",
+            },
+            "steps": [prompt, {"sleep": 3.0}, prompt, prompt, {"metrics": "kvcache:"}],
+        }
+    )
 
 
 def test_a_slow_tier_is_loaded_until_measured_then_recomputed(results):

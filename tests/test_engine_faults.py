@@ -33,23 +33,29 @@ from tests.test_engine import cache_spec, same_logprobs, tokens
 
 pytestmark = pytest.mark.engine
 
-P = tokens(11, 1500)                 # served twice by E1: 5 whole chunks + a tail
-Q = tokens(12, 600)                  # served once by E1
-BATCHES = [[1000 + 8 * b, 8, 1024] for b in range(8)]   # 8 batches of 8 new 1,024-token prompts
-FULL = [tokens(20 + i, 300) for i in range(2)]   # stored while the DRAM filesystem is full
+P = tokens(11, 1500)  # served twice by E1: 5 whole chunks + a tail
+Q = tokens(12, 600)  # served once by E1
+BATCHES = [[1000 + 8 * b, 8, 1024] for b in range(8)]  # 8 batches of 8 new 1,024-token prompts
+FULL = [tokens(20 + i, 300) for i in range(2)]  # stored while the DRAM filesystem is full
 G, R = tokens(30, 300), tokens(31, 700)
 
 
 def start(spec: dict, logs, name: str) -> subprocess.Popen:
     """An engine driver whose output goes to files (nothing blocks on a full pipe)."""
     out, err = (open(logs / f"{name}.{x}", "w") for x in ("out", "err"))
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_driver.py"), json.dumps(spec)],
-                            stdout=out, stderr=err, text=True, env=engine_env(), cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "engine_driver.py"), json.dumps(spec)],
+        stdout=out,
+        stderr=err,
+        text=True,
+        env=engine_env(),
+        cwd=REPO,
+    )
 
 
 def results(logs, name: str) -> list[dict]:
     lines = (logs / f"{name}.out").read_text().splitlines()
-    return [json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
 
 
 def wait_for(path, proc, logs, name, timeout=300.0) -> None:
@@ -136,8 +142,7 @@ def entries_are_whole(folder) -> int:
 def mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                              capture_output=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     except OSError:
         return False
     return done.returncode == 0
@@ -159,10 +164,22 @@ def run(model_path, tmp_path_factory):
 def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
     shared_url = {"KVCACHE_SHARED_URL": f"file://{shared}"}
     before = set(candidates())
-    e1 = start({"model": model_path, "cache": {**cache_spec(tmp, "1", "8MiB", disk=disk), **shared_url},
-                "steps": [{"prompt_token_ids": P}, {"prompt_token_ids": P}, {"prompt_token_ids": Q},
-                          {"sleep": 1.5}, {"touch": str(tmp / "e1-ready")},
-                          *({"random_batch": b} for b in BATCHES)]}, logs, "e1")
+    e1 = start(
+        {
+            "model": model_path,
+            "cache": {**cache_spec(tmp, "1", "8MiB", disk=disk), **shared_url},
+            "steps": [
+                {"prompt_token_ids": P},
+                {"prompt_token_ids": P},
+                {"prompt_token_ids": Q},
+                {"sleep": 1.5},
+                {"touch": str(tmp / "e1-ready")},
+                *({"random_batch": b} for b in BATCHES),
+            ],
+        },
+        logs,
+        "e1",
+    )
     try:
         wait_for(tmp / "e1-ready", e1, logs, "e1")
         on_disk_before_batches = len(entries(disk))
@@ -172,26 +189,54 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
             e1.kill()
         e1.wait(30)
     remove_vllm_leftovers(before)
-    out = {"e1": results(logs, "e1"), "on_disk_before_batches": on_disk_before_batches, "left": left,
-           "whole_after_kill": entries_are_whole(disk), "full_fs": full_fs}
+    out = {
+        "e1": results(logs, "e1"),
+        "on_disk_before_batches": on_disk_before_batches,
+        "left": left,
+        "whole_after_kill": entries_are_whole(disk),
+        "full_fs": full_fs,
+    }
 
-    fill = ([{"fill": str(dram2)}, *({"prompt_token_ids": f} for f in FULL), {"sleep": 1.0},
-             {"unfill": str(dram2)}] if full_fs else [])
-    e2 = start({"model": model_path, "log_stats": True,
-                "cache": {**cache_spec(tmp, "2", "6MiB", disk=disk), "KVCACHE_DRAM_PATH": str(dram2), **shared_url},
-                "steps": [{"prompt_token_ids": P}, {"sleep": 1.0}, {"touch": str(tmp / "e2-ready")},
-                          {"wait_for": str(tmp / "e2-go")},
-                          {"remove": str(shared)}, {"damage": [str(dram2), str(disk)]},
-                          {"reset_prefix_cache": True}, {"prompt_token_ids": P}, {"sleep": 1.0},
-                          *fill, {"prompt_token_ids": G}, {"sleep": 1.0},
-                          {"prompt_token_ids": R}, {"reset_prefix_cache": True}, {"prompt_token_ids": R},
-                          {"sleep": 1.0}, {"metrics": "kvcache:",
-                                           "until": {"kvcache:tier_persisted_total{tier=disk}": 3}}]},
-               logs, "e2")
+    fill = (
+        [{"fill": str(dram2)}, *({"prompt_token_ids": f} for f in FULL), {"sleep": 1.0}, {"unfill": str(dram2)}]
+        if full_fs
+        else []
+    )
+    e2 = start(
+        {
+            "model": model_path,
+            "log_stats": True,
+            "cache": {**cache_spec(tmp, "2", "6MiB", disk=disk), "KVCACHE_DRAM_PATH": str(dram2), **shared_url},
+            "steps": [
+                {"prompt_token_ids": P},
+                {"sleep": 1.0},
+                {"touch": str(tmp / "e2-ready")},
+                {"wait_for": str(tmp / "e2-go")},
+                {"remove": str(shared)},
+                {"damage": [str(dram2), str(disk)]},
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": P},
+                {"sleep": 1.0},
+                *fill,
+                {"prompt_token_ids": G},
+                {"sleep": 1.0},
+                {"prompt_token_ids": R},
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": R},
+                {"sleep": 1.0},
+                {"metrics": "kvcache:", "until": {"kvcache:tier_persisted_total{tier=disk}": 3}},
+            ],
+        },
+        logs,
+        "e2",
+    )
     try:
         wait_for(tmp / "e2-ready", e2, logs, "e2")
-        out["restart"] = {"temp_files": temp_files(disk), "accounted": accounted(disk),
-                          "entry_bytes": entry_bytes(disk)}
+        out["restart"] = {
+            "temp_files": temp_files(disk),
+            "accounted": accounted(disk),
+            "entry_bytes": entry_bytes(disk),
+        }
         (tmp / "e2-go").touch()
         assert e2.wait(600) == 0, (logs / "e2.err").read_text()[-4000:]
     finally:
@@ -199,16 +244,15 @@ def _run(model_path, tmp, logs, disk, shared, dram2, full_fs) -> dict:
             e2.kill()
     out["e2"] = results(logs, "e2")
     out["e2_log"] = (logs / "e2.err").read_text()
-    out["after"] = {"temp_files": temp_files(disk) + temp_files(dram2),
-                    "shared_entries": len(entries(shared))}
+    out["after"] = {"temp_files": temp_files(disk) + temp_files(dram2), "shared_entries": len(entries(shared))}
     return out
 
 
 def test_kill_mid_write_then_restart_leaves_no_debris_and_right_accounting(run):
     assert run["left"], "the kill must catch an entry being written"
-    assert run["whole_after_kill"] > 0          # what was published is whole (atomic publish)
+    assert run["whole_after_kill"] > 0  # what was published is whole (atomic publish)
     restart = run["restart"]
-    assert restart["temp_files"] == []           # the dead writer's temporary files are gone
+    assert restart["temp_files"] == []  # the dead writer's temporary files are gone
     assert restart["accounted"] == restart["entry_bytes"] > 0
     assert run["after"]["temp_files"] == []
 
@@ -219,10 +263,10 @@ def test_a_prompt_served_twice_is_on_disk_for_a_fresh_engine(run):
     all of P from disk. Q, served once, was not copied."""
     cold, second = run["e1"][0], run["e1"][1]
     assert cold["loaded"] == {} and second["num_cached_tokens"] == 1499
-    assert run["on_disk_before_batches"] == 6    # P's 6 chunks; nothing of Q
+    assert run["on_disk_before_batches"] == 6  # P's 6 chunks; nothing of Q
     hit = run["e2"][0]
     assert hit["loaded"] == {"disk": 1499}
-    assert same_logprobs(hit, second)            # the same KV bytes, the same last token computed
+    assert same_logprobs(hit, second)  # the same KV bytes, the same last token computed
 
 
 def test_damaged_entries_in_dram_and_on_disk_are_recomputed(run):
@@ -245,7 +289,7 @@ def test_the_shared_folder_removed_while_serving_fails_nothing(run):
     afterwards were published into a new folder."""
     r_again = run["e2"][-2]
     assert r_again["loaded"] == {"dram": len(R) - 1}
-    assert run["after"]["shared_entries"] >= 3   # R's chunks
+    assert run["after"]["shared_entries"] >= 3  # R's chunks
     assert run["e2"][-1]["labelled"]["kvcache:tier_persisted_total{tier=disk}"] >= 3
 
 

@@ -24,9 +24,9 @@ from tests.test_engine import cache_spec, folder_bytes, same_logprobs, tokens
 pytestmark = pytest.mark.engine
 
 CHUNK = 256
-P1 = tokens(11, 1500)               # 5 whole chunks + a 220-token tail
-PC = P1 + tokens(12, 300)           # the next turn of a conversation
-DOC = tokens(13, 1000)              # a shared document: 3 whole chunks, then 232 tokens
+P1 = tokens(11, 1500)  # 5 whole chunks + a 220-token tail
+PC = P1 + tokens(12, 300)  # the next turn of a conversation
+DOC = tokens(13, 1000)  # a shared document: 3 whole chunks, then 232 tokens
 QUESTIONS = [tokens(14 + i, 150) for i in range(3)]
 
 
@@ -44,21 +44,24 @@ def tmp(tmp_path_factory):
 def producer(gemma3_path, tmp):
     """Computes P1 and the conversation's next turn, storing on disk only."""
     log: list = []
-    results = run_engine({
-        "model": gemma3_path,
-        "cache": cache_spec(tmp, "p", dram_size="0", disk=tmp / "disk"),
-        "steps": [
-            {"engine": True},
-            {"prompt_token_ids": P1},
-            {"prompt_token_ids": P1},           # vLLM's prefix cache, topped up from disk
-            {"reset_prefix_cache": True},
-            {"sleep": 1.0},
-            {"prompt_token_ids": P1},           # all from disk
-            {"reset_prefix_cache": True},
-            {"prompt_token_ids": PC},
-            {"sleep": 1.0},
-        ],
-    }, log=log)
+    results = run_engine(
+        {
+            "model": gemma3_path,
+            "cache": cache_spec(tmp, "p", dram_size="0", disk=tmp / "disk"),
+            "steps": [
+                {"engine": True},
+                {"prompt_token_ids": P1},
+                {"prompt_token_ids": P1},  # vLLM's prefix cache, topped up from disk
+                {"reset_prefix_cache": True},
+                {"sleep": 1.0},
+                {"prompt_token_ids": P1},  # all from disk
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": PC},
+                {"sleep": 1.0},
+            ],
+        },
+        log=log,
+    )
     return results, log[0], folder_bytes(tmp / "disk"), entry_count(tmp / "disk")
 
 
@@ -66,22 +69,24 @@ def producer(gemma3_path, tmp):
 def consumer(gemma3_path, tmp, producer):
     """A fresh engine on the producer's disk folder, then a shared document, then every
     entry damaged."""
-    return run_engine({
-        "model": gemma3_path,
-        "cache": cache_spec(tmp, "c", disk=tmp / "disk"),
-        "steps": [
-            {"prompt_token_ids": P1},
-            {"reset_prefix_cache": True},
-            {"prompt_token_ids": PC},
-            *({"prompt_token_ids": DOC + q} for q in QUESTIONS[:2]),
-            {"reset_prefix_cache": True},
-            {"sleep": 1.0},
-            {"prompt_token_ids": DOC + QUESTIONS[2]},
-            {"corrupt": [str(tmp / "shm-c"), str(tmp / "disk")]},
-            {"reset_prefix_cache": True},
-            {"prompt_token_ids": P1},
-        ],
-    })
+    return run_engine(
+        {
+            "model": gemma3_path,
+            "cache": cache_spec(tmp, "c", disk=tmp / "disk"),
+            "steps": [
+                {"prompt_token_ids": P1},
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": PC},
+                *({"prompt_token_ids": DOC + q} for q in QUESTIONS[:2]),
+                {"reset_prefix_cache": True},
+                {"sleep": 1.0},
+                {"prompt_token_ids": DOC + QUESTIONS[2]},
+                {"corrupt": [str(tmp / "shm-c"), str(tmp / "disk")]},
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": P1},
+            ],
+        }
+    )
 
 
 def entry_count(path) -> int:
@@ -149,14 +154,21 @@ def test_damaged_entries_fail_the_whole_load_and_are_recomputed(consumer, produc
 def ssm(tmp):
     log: list = []
     prompt = tokens(21, 600)
-    results = run_engine({
-        "model": str(ensure_ssm_hybrid(REPO / ".models" / "test-granite4")),
-        "prefix_caching": False,
-        "log_stats": True,
-        "cache": cache_spec(tmp, "ssm"),
-        "steps": [{"engine": True}, {"prompt_token_ids": prompt}, {"prompt_token_ids": prompt},
-                  {"metrics": "kvcache:"}],
-    }, log=log)
+    results = run_engine(
+        {
+            "model": str(ensure_ssm_hybrid(REPO / ".models" / "test-granite4")),
+            "prefix_caching": False,
+            "log_stats": True,
+            "cache": cache_spec(tmp, "ssm"),
+            "steps": [
+                {"engine": True},
+                {"prompt_token_ids": prompt},
+                {"prompt_token_ids": prompt},
+                {"metrics": "kvcache:"},
+            ],
+        },
+        log=log,
+    )
     return results, log[0]
 
 

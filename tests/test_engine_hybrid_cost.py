@@ -41,29 +41,57 @@ def gemma3_path():
 def three_times(model: str, prompt: list[int], cache: dict, until: dict) -> list[dict]:
     """The prompt computed, then twice again; the metrics once ``until`` is counted."""
     step, reset = {"prompt_token_ids": prompt}, {"reset_prefix_cache": True}
-    return run_engine({"model": model, "log_stats": True, "cache": {
-        "KVCACHE_LOAD_DECISION": "cost", "KVCACHE_DRAM_SIZE": "0", **cache},  # (the driver's default: always)
-        "steps": [step, {"sleep": 2.0}, reset, step, reset, step,
-                  {"metrics": "kvcache:", "until": until, "timeout": 120}]})
+    return run_engine(
+        {
+            "model": model,
+            "log_stats": True,
+            "cache": {
+                "KVCACHE_LOAD_DECISION": "cost",
+                "KVCACHE_DRAM_SIZE": "0",
+                **cache,
+            },  # (the driver's default: always)
+            "steps": [
+                step,
+                {"sleep": 2.0},
+                reset,
+                step,
+                reset,
+                step,
+                {"metrics": "kvcache:", "until": until, "timeout": 120},
+            ],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def disk(gemma3_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid-cost-disk")
-    return three_times(gemma3_path, FAST, {"KVCACHE_DRAM_PATH": str(tmp / "shm"),
-                                           "KVCACHE_DISK_PATH": str(tmp / "disk"), "KVCACHE_DISK_SIZE": "256MiB"},
-                       {LOADS: 2, "kvcache:loads_total{mode=async}": 2})
+    return three_times(
+        gemma3_path,
+        FAST,
+        {"KVCACHE_DRAM_PATH": str(tmp / "shm"), "KVCACHE_DISK_PATH": str(tmp / "disk"), "KVCACHE_DISK_SIZE": "256MiB"},
+        {LOADS: 2, "kvcache:loads_total{mode=async}": 2},
+    )
 
 
 @pytest.fixture(scope="module")
 def shared(gemma3_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid-cost-shared")
     (tmp / "l3").mkdir()
-    return three_times(gemma3_path, SLOW, {
-        "KVCACHE_DRAM_PATH": str(tmp / "shm"), "KVCACHE_DISK_PATH": str(tmp / "disk"), "KVCACHE_DISK_SIZE": "0",
-        "KVCACHE_SHARED_URL": f"file://{tmp / 'l3'}", "KVCACHE_SHARED_ADMISSION": "all",
-        "KVCACHE_SHARED_TIMEOUT_MS": "20000", "KVCACHE_SHARED_BANDWIDTH": "1MiB"},
-        {RECOMPUTES: 1})
+    return three_times(
+        gemma3_path,
+        SLOW,
+        {
+            "KVCACHE_DRAM_PATH": str(tmp / "shm"),
+            "KVCACHE_DISK_PATH": str(tmp / "disk"),
+            "KVCACHE_DISK_SIZE": "0",
+            "KVCACHE_SHARED_URL": f"file://{tmp / 'l3'}",
+            "KVCACHE_SHARED_ADMISSION": "all",
+            "KVCACHE_SHARED_TIMEOUT_MS": "20000",
+            "KVCACHE_SHARED_BANDWIDTH": "1MiB",
+        },
+        {RECOMPUTES: 1},
+    )
 
 
 def estimated_loads(metrics: dict) -> float:

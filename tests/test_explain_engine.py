@@ -42,30 +42,70 @@ def engines(model_path, tmp_path_factory):
     shared.mkdir(parents=True)
     dram = str(tmp / "dram")
     prompt = lambda toks, **kw: {"prompt_token_ids": toks, **kw}  # noqa: E731
-    one = run_engine({"model": model_path, "prefix_caching": False, "cache": {
-        **KEY, "KVCACHE_DRAM_PATH": dram, "KVCACHE_DRAM_SIZE": "4MiB", "KVCACHE_DISK_SIZE": "0",
-        "KVCACHE_POLICY": "lru", "KVCACHE_SHARED_URL": f"file://{shared}"}, "steps": [
-        prompt(A), prompt(G), {"sleep": 1.0},                                    # 0 1
-        prompt(A), prompt(G),                                                    # 2 3: hits, published
-        prompt(A, kv_transfer_params={"kvcache_load": False}),                   # 4
-        prompt(B, kv_transfer_params={"kvcache_save": False}), prompt(B),        # 5 6
-        prompt(C, cache_salt="tenant-a"), {"sleep": 1.0}, prompt(C),             # 7 8
-        prompt(F), {"sleep": 1.0}, prompt(C, cache_salt="tenant-a"),             # 9 10
-        prompt(A),                                                               # 11: from L3
-        {"break": str(shared), "keep": str(kept)}, prompt(G),                    # 12 13
-        prompt(U), {"sleep": 1.0}, {"unsign": [dram]}, prompt(U),                # 14 15 16
-        prompt(X), {"sleep": 1.0}, {"corrupt": [dram]}, prompt(X),               # 17 18 19
-        prompt(NOBODY[0]),                                                       # 20: wrong, no salt
-        prompt(C, cache_salt="tenant-b"), prompt(NOBODY[1], cache_salt="tenant-b"),  # 21 22
-    ]})
+    one = run_engine(
+        {
+            "model": model_path,
+            "prefix_caching": False,
+            "cache": {
+                **KEY,
+                "KVCACHE_DRAM_PATH": dram,
+                "KVCACHE_DRAM_SIZE": "4MiB",
+                "KVCACHE_DISK_SIZE": "0",
+                "KVCACHE_POLICY": "lru",
+                "KVCACHE_SHARED_URL": f"file://{shared}",
+            },
+            "steps": [
+                prompt(A),
+                prompt(G),
+                {"sleep": 1.0},  # 0 1
+                prompt(A),
+                prompt(G),  # 2 3: hits, published
+                prompt(A, kv_transfer_params={"kvcache_load": False}),  # 4
+                prompt(B, kv_transfer_params={"kvcache_save": False}),
+                prompt(B),  # 5 6
+                prompt(C, cache_salt="tenant-a"),
+                {"sleep": 1.0},
+                prompt(C),  # 7 8
+                prompt(F),
+                {"sleep": 1.0},
+                prompt(C, cache_salt="tenant-a"),  # 9 10
+                prompt(A),  # 11: from L3
+                {"break": str(shared), "keep": str(kept)},
+                prompt(G),  # 12 13
+                prompt(U),
+                {"sleep": 1.0},
+                {"unsign": [dram]},
+                prompt(U),  # 14 15 16
+                prompt(X),
+                {"sleep": 1.0},
+                {"corrupt": [dram]},
+                prompt(X),  # 17 18 19
+                prompt(NOBODY[0]),  # 20: wrong, no salt
+                prompt(C, cache_salt="tenant-b"),
+                prompt(NOBODY[1], cache_salt="tenant-b"),  # 21 22
+            ],
+        }
+    )
     # 9 KiB/s: one 512 KiB chunk holds the link ~60 s, far past the 15 s deadline. The
     # deadline is what keeps the first W's publish in flight until W comes back: once it
     # passes, the publish is abandoned (its temporary file removed), a failed call of the
     # shared tier. 15 s leaves room for a slow first request (4 s seen on a busy machine).
-    two = run_engine({"model": model_path, "prefix_caching": False, "cache": {
-        **KEY, "KVCACHE_DRAM_SIZE": "0", "KVCACHE_DISK_SIZE": "0", "KVCACHE_DISK_PATH": str(tmp / "disk2"),
-        "KVCACHE_SHARED_URL": f"file://{kept}", "KVCACHE_SHARED_TIMEOUT_MS": "15000",
-        "KVCACHE_SHARED_BANDWIDTH": "9KiB"}, "steps": [prompt(W), prompt(W), prompt(A)]})
+    two = run_engine(
+        {
+            "model": model_path,
+            "prefix_caching": False,
+            "cache": {
+                **KEY,
+                "KVCACHE_DRAM_SIZE": "0",
+                "KVCACHE_DISK_SIZE": "0",
+                "KVCACHE_DISK_PATH": str(tmp / "disk2"),
+                "KVCACHE_SHARED_URL": f"file://{kept}",
+                "KVCACHE_SHARED_TIMEOUT_MS": "15000",
+                "KVCACHE_SHARED_BANDWIDTH": "9KiB",
+            },
+            "steps": [prompt(W), prompt(W), prompt(A)],
+        }
+    )
     return one, two
 
 
@@ -87,8 +127,7 @@ def test_another_salt_and_eviction(engines):
     one, _ = engines
     # the guess oracle: tenant-a's C guessed right (8: without salt; 21: with another
     # salt) reads exactly as a wrong guess (20, 22)
-    assert causes(one[8]) == causes(one[20]) == causes(one[21]) == causes(one[22]) \
-        == [(0, 599, "never_stored", None)]
+    assert causes(one[8]) == causes(one[20]) == causes(one[21]) == causes(one[22]) == [(0, 599, "never_stored", None)]
     # tenant-a's chunks were pushed out of the full DRAM tier (LRU) by F and the unsalted C
     assert first(one[10]) == ("evicted", "dram")
 

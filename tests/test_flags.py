@@ -10,8 +10,11 @@ from cache.errors import ConfigError
 from cache.flags import FALSE, TRUE, parse_bool
 
 # Every accepted spelling, in other cases and with blanks around it.
-SPELLINGS = [(s, True) for s in TRUE] + [(s, False) for s in FALSE] + [
-    ("TRUE", True), (" Yes ", True), ("On", True), ("FALSE", False), (" No", False), ("OFF ", False)]
+SPELLINGS = (
+    [(s, True) for s in TRUE]
+    + [(s, False) for s in FALSE]
+    + [("TRUE", True), (" Yes ", True), ("On", True), ("FALSE", False), (" No", False), ("OFF ", False)]
+)
 
 
 def test_the_spellings():
@@ -39,14 +42,24 @@ def test_anything_else_is_an_error_naming_the_variable(text):
 @pytest.mark.parametrize("text,value", SPELLINGS)
 def test_cache_settings_take_every_spelling(tmp_path, text, value):
     assert cache_enabled({"KVCACHE_ENABLED": text}) is value
-    env = {"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
-           "KVCACHE_DRAM_SIZE": "1MiB", "KVCACHE_DISK_SIZE": "1MiB",
-           "KVCACHE_LAYERED_LOADS": text, "KVCACHE_DISK_DIRECT_READS": text}
+    env = {
+        "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "KVCACHE_DRAM_SIZE": "1MiB",
+        "KVCACHE_DISK_SIZE": "1MiB",
+        "KVCACHE_LAYERED_LOADS": text,
+        "KVCACHE_DISK_DIRECT_READS": text,
+    }
     cfg = build_cache_config(env)
     assert cfg.layered_loads is value and cfg.disk_direct_reads is value
 
 
 def test_a_bad_cache_flag_names_its_variable(tmp_path):
     with pytest.raises(ConfigError, match="KVCACHE_LAYERED_LOADS='sometimes' must be true or false"):
-        build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DISK_PATH": str(tmp_path / "d"),
-                            "KVCACHE_LAYERED_LOADS": "sometimes"})
+        build_cache_config(
+            {
+                "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+                "KVCACHE_DISK_PATH": str(tmp_path / "d"),
+                "KVCACHE_LAYERED_LOADS": "sometimes",
+            }
+        )

@@ -13,14 +13,26 @@ from cache.footprint import footprint_from_config, load_hf_config
 from cache.tools.footprint import main
 
 LLAMA3_70B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
-    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-    "torch_dtype": "bfloat16", "max_position_embeddings": 131072,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 131072,
 }
 DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
-    "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16",
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "hidden_size": 7168,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "torch_dtype": "bfloat16",
     "max_position_embeddings": 163840,
 }
 
@@ -58,17 +70,31 @@ def test_multi_head_without_kv_head_count():
 
 
 def test_multi_query():
-    cfg = {"model_type": "falcon", "num_hidden_layers": 32, "num_attention_heads": 71,
-           "hidden_size": 4544, "multi_query": True, "torch_dtype": "bfloat16"}
+    cfg = {
+        "model_type": "falcon",
+        "num_hidden_layers": 32,
+        "num_attention_heads": 71,
+        "hidden_size": 4544,
+        "multi_query": True,
+        "torch_dtype": "bfloat16",
+    }
     fp = footprint_from_config(cfg)
     assert fp.attention == "mqa" and fp.kv_heads == 1
     assert fp.bytes_per_token == 32 * 64 * 2 * 2
 
 
 def test_explicit_head_dim_and_nested_text_config():
-    cfg = {"model_type": "gemma3", "torch_dtype": "bfloat16",
-           "text_config": {"num_hidden_layers": 34, "num_attention_heads": 8,
-                           "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2560}}
+    cfg = {
+        "model_type": "gemma3",
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_size": 2560,
+        },
+    }
     fp = footprint_from_config(cfg)
     assert fp.bytes_per_token == 34 * 4 * 256 * 2 * 2
 
@@ -80,9 +106,15 @@ def test_kv_cache_dtype_overrides_model_dtype():
     assert footprint_from_config(f32).bytes_per_token == 327_680
 
 
-@pytest.mark.parametrize("cfg", [{"model_type": "x"}, {"num_hidden_layers": 2},
-                                 {"num_hidden_layers": 2, "num_attention_heads": 4},
-                                 {"num_hidden_layers": 2, "kv_lora_rank": 4}])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "x"},
+        {"num_hidden_layers": 2},
+        {"num_hidden_layers": 2, "num_attention_heads": 4},
+        {"num_hidden_layers": 2, "kv_lora_rank": 4},
+    ],
+)
 def test_incomplete_configs_are_errors(cfg):
     with pytest.raises(FootprintError):
         footprint_from_config(cfg)
@@ -99,19 +131,21 @@ def test_missing_config_is_an_error(tmp_path):
 
 
 def test_cli_json(llama_dir, capsys):
-    assert main([str(llama_dir), "--context", "131072", "--dram-size", "100GiB",
-                 "--disk-size", "1TB", "--json"]) == 0
+    assert main([str(llama_dir), "--context", "131072", "--dram-size", "100GiB", "--disk-size", "1TB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bytes_per_token"] == 327_680
     assert out["bytes_per_request"] == 42_949_672_960
-    assert out["tiers"]["dram"] == {"bytes": 100 * 2**30, "tokens": 327_680,
-                                   "requests": 2}
+    assert out["tiers"]["dram"] == {"bytes": 100 * 2**30, "tokens": 327_680, "requests": 2}
     assert out["tiers"]["disk"]["requests"] == 10**12 // 42_949_672_960
 
 
 def test_cli_text_defaults_to_max_context(llama_dir):
-    run = subprocess.run([sys.executable, "-m", "cache.tools.footprint", str(llama_dir / "config.json")],
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "cache.tools.footprint", str(llama_dir / "config.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "327,680 bytes" in run.stdout
     assert "one 131,072-token request: 42,949,672,960 bytes (40.0 GiB)" in run.stdout
 
@@ -125,20 +159,60 @@ def test_cli_errors_are_messages(tmp_path, capsys):
 
 
 # -- hybrid models: windows and states count once per request -------------------------------
-GEMMA3_27B = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
-              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024,
-              "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "max_position_embeddings": 131072}
-GPT_OSS_120B = {"model_type": "gpt_oss", "num_hidden_layers": 36, "num_attention_heads": 64,
-                "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2880, "sliding_window": 128,
-                "layer_types": ["sliding_attention", "full_attention"] * 18, "torch_dtype": "bfloat16"}
-QWEN3_NEXT = {"model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
-              "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048, "full_attention_interval": 4,
-              "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16"}
-NEMOTRON_H = {"model_type": "nemotron_h", "num_hidden_layers": 8, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 512, "hybrid_override_pattern": "M-M*-M-",
-              "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 32,
-              "conv_kernel": 4, "expand": 2, "torch_dtype": "bfloat16"}
+GEMMA3_27B = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 62,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "hidden_size": 5376,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 131072,
+}
+GPT_OSS_120B = {
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_size": 2880,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "hidden_size": 2048,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "torch_dtype": "bfloat16",
+}
+NEMOTRON_H = {
+    "model_type": "nemotron_h",
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 512,
+    "hybrid_override_pattern": "M-M*-M-",
+    "mamba_num_heads": 16,
+    "mamba_head_dim": 64,
+    "n_groups": 2,
+    "ssm_state_size": 32,
+    "conv_kernel": 4,
+    "expand": 2,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_sliding_window_layers_count_only_their_window():
@@ -164,9 +238,19 @@ def test_mamba_and_linear_attention_layers_count_a_state_per_request():
     assert (nemo.layers, nemo.state_layers) == (1, 3)
     d_inner = 2 * 512
     assert nemo.state_bytes == 3 * (3 * (d_inner + 2 * 2 * 32) + 16 * 64 * 32) * 2
-    jamba = footprint_from_config({"model_type": "jamba", "num_hidden_layers": 8, "num_attention_heads": 8,
-                                   "num_key_value_heads": 2, "hidden_size": 512, "attn_layer_period": 8,
-                                   "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4,
-                                   "mamba_expand": 2})
+    jamba = footprint_from_config(
+        {
+            "model_type": "jamba",
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "hidden_size": 512,
+            "attn_layer_period": 8,
+            "attn_layer_offset": 4,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+        }
+    )
     assert (jamba.layers, jamba.state_layers) == (1, 7)
     assert jamba.state_bytes == 7 * (3 * 1024 + 1024 * 16) * 2

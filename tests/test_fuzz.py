@@ -25,35 +25,64 @@ from tests.test_server import start_server, stop_server
 
 pytestmark = pytest.mark.engine
 CASES: dict[str, int] = {}
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                    st.floats(allow_nan=False), st.text(max_size=20))
-junk = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                     st.dictionaries(st.text(max_size=8), inner,
-                                                                     max_size=3)),
-                    max_leaves=8)
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)
+)
+junk = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8,
+)
 text = st.text(max_size=40)
-edge_ints = st.sampled_from([2 ** 31, 2 ** 62, 2 ** 63 - 1, -2 ** 63, 2 ** 63, 10 ** 64 - 1])
+edge_ints = st.sampled_from([2**31, 2**62, 2**63 - 1, -(2**63), 2**63, 10**64 - 1])
 small_int = st.one_of(st.integers(-3, 25), edge_ints, junk)
-kv_params = st.one_of(junk, st.dictionaries(st.sampled_from(KEYS + ("k", "do_remote_prefill")),
-                                            junk, max_size=3))
-grammars = st.one_of(junk, st.fixed_dictionaries({"grammar": st.sampled_from(
-    ["root ::= root", 'root ::= "a" x\nx ::= x', 'root ::= "a"', "root ::=", "a ::= b"])}))
+kv_params = st.one_of(junk, st.dictionaries(st.sampled_from(KEYS + ("k", "do_remote_prefill")), junk, max_size=3))
+grammars = st.one_of(
+    junk,
+    st.fixed_dictionaries(
+        {
+            "grammar": st.sampled_from(
+                ["root ::= root", 'root ::= "a" x\nx ::= x', 'root ::= "a"', "root ::=", "a ::= b"]
+            )
+        }
+    ),
+)
 prob = st.one_of(st.floats(-1, 3, allow_nan=False), junk)
 
 SAMPLING = {
-    "temperature": prob, "top_p": prob, "top_k": small_int, "seed": st.one_of(st.integers(), junk),
-    "n": small_int, "stop": st.one_of(text, st.lists(text, max_size=3), junk),
-    "presence_penalty": prob, "frequency_penalty": prob, "repetition_penalty": prob,
-    "logprobs": st.one_of(st.booleans(), small_int), "top_logprobs": small_int,
-    "prompt_logprobs": small_int, "logit_bias": st.one_of(st.dictionaries(text, prob, max_size=2), junk),
-    "cache_salt": st.one_of(text, junk), "min_tokens": small_int, "ignore_eos": junk,
-    "stream": st.booleans(), "stream_options": junk, "echo": junk, "response_format": junk,
-    "tool_choice": junk, "tools": junk, "user": junk, "model": st.one_of(st.just("default-model"), junk),
-    "structured_outputs": grammars, "truncate_prompt_tokens": small_int, "unknown_field": junk,
-    "kv_transfer_params": kv_params, "vllm_xargs": junk,
+    "temperature": prob,
+    "top_p": prob,
+    "top_k": small_int,
+    "seed": st.one_of(st.integers(), junk),
+    "n": small_int,
+    "stop": st.one_of(text, st.lists(text, max_size=3), junk),
+    "presence_penalty": prob,
+    "frequency_penalty": prob,
+    "repetition_penalty": prob,
+    "logprobs": st.one_of(st.booleans(), small_int),
+    "top_logprobs": small_int,
+    "prompt_logprobs": small_int,
+    "logit_bias": st.one_of(st.dictionaries(text, prob, max_size=2), junk),
+    "cache_salt": st.one_of(text, junk),
+    "min_tokens": small_int,
+    "ignore_eos": junk,
+    "stream": st.booleans(),
+    "stream_options": junk,
+    "echo": junk,
+    "response_format": junk,
+    "tool_choice": junk,
+    "tools": junk,
+    "user": junk,
+    "model": st.one_of(st.just("default-model"), junk),
+    "structured_outputs": grammars,
+    "truncate_prompt_tokens": small_int,
+    "unknown_field": junk,
+    "kv_transfer_params": kv_params,
+    "vllm_xargs": junk,
 }
 max_tokens = st.one_of(st.just(1), st.sampled_from([0, -1, "1", None, 2**70, 10**6]))
 
@@ -63,30 +92,61 @@ def params(names):
 
 
 messages = st.one_of(
-    st.lists(st.fixed_dictionaries(
-        {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "hacker"]), junk),
-         "content": st.one_of(text, junk)}), max_size=3),
-    junk)
-chat = st.builds(lambda m, p, mt: {"messages": m, **p, "max_tokens": mt}, messages,
-                 params(SAMPLING), max_tokens)
-completion = st.builds(lambda pr, p, mt: {"prompt": pr, **p, "max_tokens": mt},
-                       st.one_of(text, st.lists(st.integers(-5, 300), max_size=5), junk),
-                       params([k for k in SAMPLING if k not in ("tools", "tool_choice",
-                                                                 "response_format")]), max_tokens)
-tgi_params = st.fixed_dictionaries({}, optional={
-    "max_new_tokens": st.one_of(st.just(1), small_int), "temperature": prob, "top_p": prob,
-    "top_k": small_int, "repetition_penalty": prob, "seed": junk, "stop": junk,
-    "stop_sequences": junk, "do_sample": junk, "details": st.booleans(),
-    "decoder_input_details": junk, "top_n_tokens": small_int, "truncate": small_int,
-    "return_full_text": junk, "cache_salt": st.one_of(text, junk), "typical_p": junk,
-    "kv_transfer_params": kv_params})
-tgi = st.builds(lambda i, p, s: {"inputs": i, "stream": s,
-                                 "parameters": {"max_new_tokens": 1, **p} if isinstance(p, dict) else p},
-                st.one_of(text, junk), st.one_of(tgi_params, junk), st.one_of(st.booleans(), junk))
-session_ids = st.one_of(st.none(), st.just("NEW_SESSION"), st.uuids().map(str),
-                        st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40))
-session_bodies = st.one_of(st.fixed_dictionaries({"requestType": st.one_of(
-    st.sampled_from(["NEW_SESSION", "CLOSE"]), junk)}), chat, tgi)
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "hacker"]), junk),
+                "content": st.one_of(text, junk),
+            }
+        ),
+        max_size=3,
+    ),
+    junk,
+)
+chat = st.builds(lambda m, p, mt: {"messages": m, **p, "max_tokens": mt}, messages, params(SAMPLING), max_tokens)
+completion = st.builds(
+    lambda pr, p, mt: {"prompt": pr, **p, "max_tokens": mt},
+    st.one_of(text, st.lists(st.integers(-5, 300), max_size=5), junk),
+    params([k for k in SAMPLING if k not in ("tools", "tool_choice", "response_format")]),
+    max_tokens,
+)
+tgi_params = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_new_tokens": st.one_of(st.just(1), small_int),
+        "temperature": prob,
+        "top_p": prob,
+        "top_k": small_int,
+        "repetition_penalty": prob,
+        "seed": junk,
+        "stop": junk,
+        "stop_sequences": junk,
+        "do_sample": junk,
+        "details": st.booleans(),
+        "decoder_input_details": junk,
+        "top_n_tokens": small_int,
+        "truncate": small_int,
+        "return_full_text": junk,
+        "cache_salt": st.one_of(text, junk),
+        "typical_p": junk,
+        "kv_transfer_params": kv_params,
+    },
+)
+tgi = st.builds(
+    lambda i, p, s: {"inputs": i, "stream": s, "parameters": {"max_new_tokens": 1, **p} if isinstance(p, dict) else p},
+    st.one_of(text, junk),
+    st.one_of(tgi_params, junk),
+    st.one_of(st.booleans(), junk),
+)
+session_ids = st.one_of(
+    st.none(),
+    st.just("NEW_SESSION"),
+    st.uuids().map(str),
+    st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
+)
+session_bodies = st.one_of(
+    st.fixed_dictionaries({"requestType": st.one_of(st.sampled_from(["NEW_SESSION", "CLOSE"]), junk)}), chat, tgi
+)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +207,15 @@ def nested(depth: int, kinds: list) -> str:
 
 
 @settings(FUZZ, max_examples=120)
-@given(body=st.one_of(chat, completion, tgi), encoding=st.sampled_from(("utf-8",) + ENCODINGS),
-       depth=st.one_of(st.just(0), st.integers(1, 5000)), kinds=st.lists(st.booleans(), min_size=1,
-                                                                        max_size=4),
-       where=st.sampled_from(["kv_transfer_params", "stop", "parameters", "messages", "prompt"]),
-       bait=st.text(st.sampled_from('x"\\[]{}\u2200\u225b\u5b22'), max_size=4),
-       path=st.sampled_from(["/invocations", "/v1/completions", "/v1/chat/completions"]))
+@given(
+    body=st.one_of(chat, completion, tgi),
+    encoding=st.sampled_from(("utf-8",) + ENCODINGS),
+    depth=st.one_of(st.just(0), st.integers(1, 5000)),
+    kinds=st.lists(st.booleans(), min_size=1, max_size=4),
+    where=st.sampled_from(["kv_transfer_params", "stop", "parameters", "messages", "prompt"]),
+    bait=st.text(st.sampled_from('x"\\[]{}\u2200\u225b\u5b22'), max_size=4),
+    path=st.sampled_from(["/invocations", "/v1/completions", "/v1/chat/completions"]),
+)
 def test_fuzz_encodings_and_nesting(server, body, encoding, depth, kinds, where, bait, path):
     """Any shape, encoded as ``json.loads`` would still read it, with a value nested up to
     5,000 deep (the issue's engine killer was 900 deep in ``kv_transfer_params``, in UTF-16),
@@ -170,8 +233,9 @@ def test_fuzz_total_and_no_5xx_counted(server):
     """Last: at least 600 cases ran, the server counted no 5xx, and the engine still serves."""
     assert sum(CASES.values()) >= 600, CASES
     text = server.client.get("/metrics").text
-    fives = [line for line in text.splitlines()
-             if line.startswith("sagemaker_invocations_total") and 'status="5' in line]
+    fives = [
+        line for line in text.splitlines() if line.startswith("sagemaker_invocations_total") and 'status="5' in line
+    ]
     assert not fives, fives
     assert server.client.get("/ping").json() == {"status": "healthy"}
     r = server.post({"inputs": "still serving", "parameters": {"max_new_tokens": 1}})

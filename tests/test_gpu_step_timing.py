@@ -74,8 +74,12 @@ def gpu(monkeypatch):
 
 
 def worker(tmp_path, **extra):
-    side = WorkerSide(config(tmp_path, **extra), Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
-                      num_blocks=8, block_size=BLOCK)
+    side = WorkerSide(
+        config(tmp_path, **extra),
+        Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
+        num_blocks=8,
+        block_size=BLOCK,
+    )
     side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(2)})
     return side
 

@@ -55,7 +55,7 @@ def test_a_window_entry_holds_whatever_a_hit_needs_of_its_chunk(reach, chunk):
 
 def test_full_attention_entries_hold_the_whole_chunk_under_the_chunk_key():
     assert FULL.blocks(256, 512, B) == (2, 4) and FULL.key("abc") == "abc"
-    assert SWA.blocks(256, 512, B) == (2, 4)      # window 256 spans the whole chunk
+    assert SWA.blocks(256, 512, B) == (2, 4)  # window 256 spans the whole chunk
     assert SWA.blocks(1280, 1500, B) == (10, 12)  # the tail: [1244, 1500) rounded out
     assert EntryKind("w", (0,), (), (), reach=127).blocks(0, 1024, B) == (7, 8)  # [896, 1024)
     assert SWA.key("abc") != "abc" and SWA.key("abc") == SWA.key("abc")
@@ -71,8 +71,9 @@ def test_checkpoints_are_the_prompt_end_its_last_whole_chunk_and_the_interval():
 
 def plan(present_full, present_swa, n=1500, computed=0):
     bounds = cut(n)
-    return plan_hit(LAYOUT, bounds, n, computed, present_full,
-                    lambda kind, i: 0 if i in present_swa else None, [0] * present_full)
+    return plan_hit(
+        LAYOUT, bounds, n, computed, present_full, lambda kind, i: 0 if i in present_swa else None, [0] * present_full
+    )
 
 
 def test_a_hit_needs_every_full_entry_and_the_window_before_its_end():
@@ -101,8 +102,14 @@ class Blocks:
 
 
 def req(req_id, toks):
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=toks, all_token_ids=toks,
-                           lora_request=None, mm_features=None, prompt_embeds=None)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=toks,
+        all_token_ids=toks,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
 
 
 def tokens(seed, n):
@@ -117,8 +124,9 @@ def hybrid(tmp_path):
 def hybrid_side(tmp_path, **side_kw):
     """A scheduler side of the hybrid ``LAYOUT`` on a DRAM tier, the store that writes
     it, and the four groups' block ids; ``side_kw`` go to ``SchedulerSide``."""
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                              "KVCACHE_DISK_SIZE": "0"})
+    cfg = build_cache_config(
+        {"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB", "KVCACHE_DISK_SIZE": "0"}
+    )
     ns = Namespace("m", "d", "bfloat16", "hybrid", chunk_tokens=C)
     # four groups, 20 blocks each: group g's block j is 1000 * (g + 1) + j
     blocks = tuple([1000 * (g + 1) + j for j in range(20)] for g in range(4))
@@ -131,9 +139,11 @@ def hybrid_side(tmp_path, **side_kw):
 def run_cold(side, writer, r):
     n = len(r.prompt_token_ids)
     assert side.get_num_new_matched_tokens(r, 0) == (0, False)
-    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)],
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                          num_scheduled_tokens={r.request_id: n})
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r.request_id: n},
+    )
     meta = side.build_connector_meta(out)
     for c in meta.saves:
         writer.put(c.key, c.parent, "uint8", (4,), np.zeros(4, np.uint8))
@@ -157,9 +167,13 @@ def test_scheduler_saves_every_full_chunk_and_the_windows_at_checkpoints(hybrid)
     r = req("b", p1)
     assert side.get_num_new_matched_tokens(r, 0) == (1499, True)
     side.update_state_after_alloc(r, Blocks(blocks), 1499)
-    load = side.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={})).loads[0]
+    load = side.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+        )
+    ).loads[0]
     assert sum(c.tokens for c in load.chunks) == 1499
     tail = [c for c in load.chunks if c.kind == 1][-1]
     assert tail.block_ids == [1010, 1011, 2010, 2011, 3010, 3011]
@@ -195,7 +209,9 @@ def test_group_layout_from_vllm_specs():
     layout = group_layout(KVCacheConfig(100, [], groups), B)
     assert layout.off_reason is None and layout.hybrid
     assert [(k.tag, k.group_ids, k.layer_names, k.reach) for k in layout.kinds] == [
-        ("", (3,), ("l3",), None), ("swa255", (0, 1, 2), ("l0", "l1", "l2"), 255)]
+        ("", (3,), ("l3",), None),
+        ("swa255", (0, 1, 2), ("l0", "l1", "l2"), 255),
+    ]
     single = group_layout(KVCacheConfig(100, [], [KVCacheGroupSpec(["a", "b"], FullAttentionSpec(**spec))]), B)
     assert not single.hybrid and single.kinds[0].layer_names == ("a", "b")
     mamba = MambaSpec(block_size=B, shapes=((3, 4), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
@@ -230,8 +246,14 @@ def test_the_cache_off_answers_everything_the_connector_asks_of_either_side():
 
 
 def test_a_model_the_cache_cannot_serve_reports_the_tiers_off_once(tmp_path):
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "1MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "1MiB"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "1MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "1MiB",
+        }
+    )
     off = CacheOff(cfg)
     assert off.get_num_new_matched_tokens(req("a", [1, 2, 3]), 0) == (0, False)
     assert off.build_connector_meta(None).saves == []

@@ -30,9 +30,14 @@ def app(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
-    env = {"HF_MODEL_ID": str(model), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-           "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
-           "SAGEMAKER_MAX_PAYLOAD_IN_MB": "1", "SAGEMAKER_SESSIONS_PATH": str(tmp_path / "sessions")}
+    env = {
+        "HF_MODEL_ID": str(model),
+        "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+        "KVCACHE_DRAM_PATH": str(tmp_path / "dram"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "SAGEMAKER_MAX_PAYLOAD_IN_MB": "1",
+        "SAGEMAKER_SESSIONS_PATH": str(tmp_path / "sessions"),
+    }
     return create_app(build_serving_config(env, Machine(ram_bytes=16 << 30, cpus=2)))
 
 
@@ -62,24 +67,31 @@ def assert_error(r: httpx.Response, status: int, words: str) -> None:
     assert words in err["message"], err
 
 
-@pytest.mark.parametrize("body,ctype,status,words", [
-    (b"[" * 5000 + b"]" * 5000, "application/json", 400, f"more than {MAX_JSON_DEPTH} deep"),
-    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400,
-     f"more than {MAX_NUMBER_DIGITS} digits"),
-    (b'{"prompt": "x",', "application/json", 400, "malformed JSON"),
-    (b"", "application/json", 400, "malformed JSON"),
-    (b"\xff\xfe{}", "application/json", 400, "the body is UTF-16 text"),
-    (b'{"prompt": "x", "max_tokens": 1e999}', "application/json", 400, "out of range"),
-    (b'{"prompt": "x", "top_k": ' + b"9" * 64 + b"}", "application/json", 400, "64 bits"),
-    (b'{"prompt": "x", "temperature": NaN}', "application/json", 400, "NaN is not a JSON number"),
-    (b'{"prompt": "x", "stop": ["\\udfff"]}', "application/json", 400, "lone UTF-16 surrogate"),
-    (b'{"prompt": "\xed\xa0\x80"}', "application/json", 400, "not UTF-8"),
-    (b"[1, 2]", "application/json", 400, "must be a JSON object"),
-    (b"3", "application/json", 400, "must be a JSON object"),
-    (b'{"prompt": "x"}', "text/plain", 415, "is not JSON"),
-    (b'{"prompt": "x"}', "application/x-www-form-urlencoded", 415, "is not JSON"),
-    (b'{"inputs": "' + b"a" * (1 << 20) + b'"}', "application/json", 413, "payload limit"),
-])
+@pytest.mark.parametrize(
+    "body,ctype,status,words",
+    [
+        (b"[" * 5000 + b"]" * 5000, "application/json", 400, f"more than {MAX_JSON_DEPTH} deep"),
+        (
+            b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+            "application/json",
+            400,
+            f"more than {MAX_NUMBER_DIGITS} digits",
+        ),
+        (b'{"prompt": "x",', "application/json", 400, "malformed JSON"),
+        (b"", "application/json", 400, "malformed JSON"),
+        (b"\xff\xfe{}", "application/json", 400, "the body is UTF-16 text"),
+        (b'{"prompt": "x", "max_tokens": 1e999}', "application/json", 400, "out of range"),
+        (b'{"prompt": "x", "top_k": ' + b"9" * 64 + b"}", "application/json", 400, "64 bits"),
+        (b'{"prompt": "x", "temperature": NaN}', "application/json", 400, "NaN is not a JSON number"),
+        (b'{"prompt": "x", "stop": ["\\udfff"]}', "application/json", 400, "lone UTF-16 surrogate"),
+        (b'{"prompt": "\xed\xa0\x80"}', "application/json", 400, "not UTF-8"),
+        (b"[1, 2]", "application/json", 400, "must be a JSON object"),
+        (b"3", "application/json", 400, "must be a JSON object"),
+        (b'{"prompt": "x"}', "text/plain", 415, "is not JSON"),
+        (b'{"prompt": "x"}', "application/x-www-form-urlencoded", 415, "is not JSON"),
+        (b'{"inputs": "' + b"a" * (1 << 20) + b'"}', "application/json", 413, "payload limit"),
+    ],
+)
 def test_guard_refuses_before_any_parser(app, body, ctype, status, words):
     r = post(app, body, ctype=ctype)
     assert_error(r, status, words)
@@ -102,8 +114,10 @@ def engine_killer(encoding: str, depth: int = 900) -> bytes:
     bytes 00 22 in UTF-16-LE, which put the old byte scan's quote pairing off by one and
     hid a 900-deep list in ``kv_transfer_params`` from it (3,804 bytes)."""
     deep = "[" * depth + "0" + "]" * depth
-    text = ('{"inputs": "x\u2200", "parameters": {"max_new_tokens": 1, '
-            '"kv_transfer_params": {"k": ' + deep + '}}, "stream": false}')
+    text = (
+        '{"inputs": "x\u2200", "parameters": {"max_new_tokens": 1, '
+        '"kv_transfer_params": {"k": ' + deep + '}}, "stream": false}'
+    )
     return text.encode(encoding)
 
 
@@ -168,7 +182,8 @@ def model_script(tmp_path, monkeypatch):
     (folder / "model.py").write_text(
         "from fastapi import Request\nfrom fastapi.responses import JSONResponse\n\n"
         "async def custom_sagemaker_ping_handler(raw_request: Request):\n"
-        "    return JSONResponse({'status': 'custom'})\n")
+        "    return JSONResponse({'status': 'custom'})\n"
+    )
     monkeypatch.setenv("SAGEMAKER_MODEL_PATH", str(folder) + "/")
     monkeypatch.setattr(SageMakerFunctionLoader, "_default_function_loader", None)  # the library caches it
     yield folder
@@ -176,15 +191,19 @@ def model_script(tmp_path, monkeypatch):
     SageMakerFunctionLoader._default_function_loader = None  # noqa: SLF001 (the library's cache; no public reset)
     from model_hosting_container_standards.common.handler import handler_registry
 
-    handler_registry.remove_handler("ping")   # the library keeps the override for every later app
+    handler_registry.remove_handler("ping")  # the library keeps the override for every later app
 
 
 def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
-    env = {"HF_MODEL_ID": str(model), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-           "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+    env = {
+        "HF_MODEL_ID": str(model),
+        "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+        "KVCACHE_DRAM_PATH": str(tmp_path / "dram"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+    }
     app = create_app(build_serving_config(env, Machine(ram_bytes=16 << 30, cpus=2)))
     r = call(app, "GET", "/ping")
     assert r.status_code == 200 and r.json() == {"status": "custom"}
@@ -194,14 +213,26 @@ def test_a_custom_handler_in_the_model_folder_replaces_ours(model_script, tmp_pa
 PROPS = settings(max_examples=300, deadline=None, database=None, derandomize=True)
 ALL_ENCODINGS = ("utf-8", "utf-8-sig") + ENCODINGS
 # Every code point, and often a surrogate (``st.text`` would leave surrogates out).
-any_text = st.lists(st.one_of(st.characters(exclude_categories=()),
-                              st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF,
-                                            exclude_categories=())), max_size=12).map("".join)
+any_text = st.lists(
+    st.one_of(
+        st.characters(exclude_categories=()),
+        st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=()),
+    ),
+    max_size=12,
+).map("".join)
 json_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 63 - 1),
-                    st.floats(allow_nan=False, allow_infinity=False), json_text)
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(json_text, inner, max_size=4)), max_leaves=20)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    json_text,
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(json_text, inner, max_size=4)),
+    max_leaves=20,
+)
 
 
 def _depth(value) -> int:
@@ -214,16 +245,14 @@ def _depth(value) -> int:
 
 
 @PROPS
-@given(value=st.dictionaries(json_text, values, max_size=4), ascii_only=st.booleans(),
-       bom=st.booleans())
+@given(value=st.dictionaries(json_text, values, max_size=4), ascii_only=st.booleans(), bom=st.booleans())
 def test_any_bounded_object_in_utf8_reads_as_json_reads_it(value, ascii_only, bom):
     body = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8-sig" if bom else "utf-8")
     assert parse_body(body) == json.loads(body)  # what every later reader of the body builds
 
 
 @PROPS
-@given(value=st.dictionaries(json_text, values, min_size=1, max_size=4),
-       encoding=st.sampled_from(ENCODINGS))
+@given(value=st.dictionaries(json_text, values, min_size=1, max_size=4), encoding=st.sampled_from(ENCODINGS))
 def test_utf16_and_utf32_bodies_are_refused_by_name(value, encoding):
     body = json.dumps(value, ensure_ascii=False).encode(encoding)
     with pytest.raises(BodyError, match=f"is {encoding.upper()} text"):
@@ -231,16 +260,18 @@ def test_utf16_and_utf32_bodies_are_refused_by_name(value, encoding):
 
 
 @PROPS
-@given(depth=st.integers(0, 3000), kinds=st.lists(st.booleans(), min_size=1, max_size=8),
-       bait=st.text(st.sampled_from('x"\\[]{}\u2200\u225b\u5b22'), max_size=6),
-       encoding=st.sampled_from(ALL_ENCODINGS))
+@given(
+    depth=st.integers(0, 3000),
+    kinds=st.lists(st.booleans(), min_size=1, max_size=8),
+    bait=st.text(st.sampled_from('x"\\[]{}\u2200\u225b\u5b22'), max_size=6),
+    encoding=st.sampled_from(ALL_ENCODINGS),
+)
 def test_nesting_is_bounded_in_any_encoding_without_recursion(depth, kinds, bait, encoding):
     """Lists and objects ``depth`` deep inside the body's object, after a string of quote
     and bracket look-alikes (U+2200 is 00 22 in UTF-16-LE: a quote to a byte scan)."""
     opens = ["[" if kinds[i % len(kinds)] else '{"k": ' for i in range(depth)]
     closes = ["]" if o == "[" else "}" for o in reversed(opens)]
-    text = '{"bait": ' + json.dumps(bait, ensure_ascii=False) + ', "v": ' + "".join(opens) + "0" \
-        + "".join(closes) + "}"
+    text = '{"bait": ' + json.dumps(bait, ensure_ascii=False) + ', "v": ' + "".join(opens) + "0" + "".join(closes) + "}"
     body = text.encode(encoding)
     if encoding not in ("utf-8", "utf-8-sig"):
         with pytest.raises(BodyError, match="send JSON as UTF-8"):
@@ -273,10 +304,10 @@ def test_strings_with_any_code_points(text, raw):
 
 
 @PROPS
-@given(number=st.one_of(st.integers(), st.integers(-2 ** 64, 2 ** 64)))
+@given(number=st.one_of(st.integers(), st.integers(-(2**64), 2**64)))
 def test_integers_are_bounded_to_64_bits(number):
     body = b'{"top_k": ' + str(number).encode() + b"}"
-    if -2 ** 63 <= number < 2 ** 63:
+    if -(2**63) <= number < 2**63:
         assert parse_body(body) == {"top_k": number}
     else:
         with pytest.raises(BodyError, match="64 bits|digits"):
@@ -284,8 +315,11 @@ def test_integers_are_bounded_to_64_bits(number):
 
 
 @PROPS
-@given(raw=st.one_of(st.binary(max_size=80),
-                     st.builds(lambda v, cut: json.dumps(v).encode()[:cut], values, st.integers(0, 80))))
+@given(
+    raw=st.one_of(
+        st.binary(max_size=80), st.builds(lambda v, cut: json.dumps(v).encode()[:cut], values, st.integers(0, 80))
+    )
+)
 def test_any_bytes_are_read_or_refused_never_an_other_error(raw):
     try:
         value = parse_body(raw)

@@ -31,8 +31,9 @@ def rates(load_bytes_per_s: float, s_per_token: float = 1e-4) -> tuple[dict, Pre
 def test_a_whole_hit_loads_every_entry_or_none():
     # a fast first chunk and a slow rest: loading only the first chunk is fastest,
     # which a hybrid hit cannot do (the window before its end comes with the rest)
-    chunks = [ChunkCost(0, 256, "dram", 2 << 20)] + [ChunkCost(256 * i, 256 * (i + 1), "disk", 2 << 20)
-                                                     for i in range(1, 6)]
+    chunks = [ChunkCost(0, 256, "dram", 2 << 20)] + [
+        ChunkCost(256 * i, 256 * (i + 1), "disk", 2 << 20) for i in range(1, 6)
+    ]
     tiers, prefill = rates(load_bytes_per_s=2e6)
     assert choose(chunks, 1537, 0, tiers, prefill, {"dram"}).path == "partial"
     whole = choose(chunks, 1537, 0, tiers, prefill, {"dram"}, whole=True)
@@ -62,15 +63,23 @@ def side_and_writer(tmp_path):
 def measure(side, dram_bytes_per_s: float) -> None:
     """Samples as the workers send them: DRAM loads at this speed, a prefill rate."""
     side.planner.observe([("load", "dram", int(n), 0.001 + n / dram_bytes_per_s) for n in (1e6, 1e7, 1e8)])
-    side.planner.observe([("step", n, attention_pairs(n, c), 0.002 + 1e-4 * n)
-                          for n, c in ((64, 0), (512, 512), (2048, 0), (1024, 1024))])
+    side.planner.observe(
+        [
+            ("step", n, attention_pairs(n, c), 0.002 + 1e-4 * n)
+            for n, c in ((64, 0), (512, 512), (2048, 0), (1024, 1024))
+        ]
+    )
 
 
 def issued(side):
     """The loads sent to the workers with the next step."""
-    return side.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={})).loads
+    return side.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+        )
+    ).loads
 
 
 def test_a_hybrid_hit_loads_whole_until_measured(side_and_writer):
@@ -130,10 +139,13 @@ def test_what_an_asynchronous_wait_adds_is_measured_and_priced(side_and_writer):
     side.update_state_after_alloc(first, Blocks(blocks), 1499)
     issued(side)  # the load goes out; the request waits for it
     now[0] += 5.0  # ... five seconds, far past the load's estimate and a 1,500-token prefill
-    side.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="first", num_computed_tokens=1499)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={"first": 1}))
+    side.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="first", num_computed_tokens=1499)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={"first": 1},
+        )
+    )
     side.request_finished(first)
     assert side.planner.round_trip.predict((1.0,)) == pytest.approx(5.0, abs=0.01)
     assert side.get_num_new_matched_tokens(req("second", p1), 0) == (0, False)

@@ -38,8 +38,11 @@ def test_schema_file_is_the_operators_crd_unchanged():
     header, _, body = text.partition("# --- end of header ---\n")
     blob = next(line.split()[2] for line in header.splitlines() if line.startswith("#   blob:"))
     assert "github.com/aws/sagemaker-hyperpod-cli/blob/" in header and "commit:" in header
-    digest = subprocess.run(["git", "hash-object", "--stdin"], input=body.encode(), capture_output=True,
-                            check=True).stdout.decode().strip()
+    digest = (
+        subprocess.run(["git", "hash-object", "--stdin"], input=body.encode(), capture_output=True, check=True)
+        .stdout.decode()
+        .strip()
+    )
     assert digest == blob
     crd = yaml.safe_load(body)
     assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == "InferenceEndpointConfig"
@@ -54,8 +57,12 @@ def test_the_example_manifest_passes_schema_and_pod_checks():
     assert env["KVCACHE_SIGNING_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kvcache-signing-key", "key": "key"}
     assert doc["spec"]["worker"]["modelInvocationPort"]["containerPort"] == 8080
     assert doc["spec"]["loadBalancer"]["healthCheckPath"] == "/ping"
-    assert subprocess.run([sys.executable, str(REPO / "deploy" / "hyperpod_check.py"), str(MANIFEST)],
-                          capture_output=True, text=True).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, str(REPO / "deploy" / "hyperpod_check.py"), str(MANIFEST)], capture_output=True, text=True
+        ).returncode
+        == 0
+    )
 
 
 def test_schema_is_strict_like_kubectl_apply():
@@ -85,20 +92,23 @@ def test_the_worker_can_mount_nothing_but_the_model():
     assert "secretKeyRef" in worker["environmentVariables"]["items"]["properties"]["valueFrom"]["properties"]
 
 
-@pytest.mark.parametrize("name,entry,message", [
-    ("KVCACHE_CURVINE_CONF", {"value": "/etc/curvine/curvine-cluster.toml"}, "outside the model volume"),
-    ("KVCACHE_WARM_PROMPTS", {"value": "/data/warm.jsonl"}, "outside the model volume"),
-    ("KVCACHE_SHARED_URL", {"value": "file:///mnt/curvine/kvcache/m"}, "cannot mount a shared volume"),
-    ("KVCACHE_CURVINE_MASTERS", {"value": "curvine-master"}, "host:port"),
-    ("KVCACHE_SIGNING_KEY", {"value": "written-in-the-manifest"}, "must come from a Secret"),
-    ("SM_NUM_GPUS", {"value": "8"}, "set twice"),
-])
+@pytest.mark.parametrize(
+    "name,entry,message",
+    [
+        ("KVCACHE_CURVINE_CONF", {"value": "/etc/curvine/curvine-cluster.toml"}, "outside the model volume"),
+        ("KVCACHE_WARM_PROMPTS", {"value": "/data/warm.jsonl"}, "outside the model volume"),
+        ("KVCACHE_SHARED_URL", {"value": "file:///mnt/curvine/kvcache/m"}, "cannot mount a shared volume"),
+        ("KVCACHE_CURVINE_MASTERS", {"value": "curvine-master"}, "host:port"),
+        ("KVCACHE_SIGNING_KEY", {"value": "written-in-the-manifest"}, "must come from a Secret"),
+        ("SM_NUM_GPUS", {"value": "8"}, "set twice"),
+    ],
+)
 def test_pod_checks_refuse_what_the_pod_cannot_see(name, entry, message):
     doc = set_env(manifest(), name, **entry)
     if name == "SM_NUM_GPUS":
         env_list(doc).append({"name": "SM_NUM_GPUS", "value": "4"})
-    assert check.schema_errors(doc) == []     # each is valid for the schema ...
-    assert any(message in e for e in check.pod_errors(doc))   # ... and would fail in the pod
+    assert check.schema_errors(doc) == []  # each is valid for the schema ...
+    assert any(message in e for e in check.pod_errors(doc))  # ... and would fail in the pod
 
 
 def test_pod_checks_accept_files_in_the_model_and_need_a_way_to_curvine():
@@ -108,7 +118,8 @@ def test_pod_checks_accept_files_in_the_model_and_need_a_way_to_curvine():
     assert check.pod_errors(doc) == []
     doc = copy.deepcopy(manifest())
     doc["spec"]["worker"]["environmentVariables"] = [
-        e for e in env_list(doc) if e["name"] not in ("KVCACHE_CURVINE_MASTERS", "KVCACHE_SIGNING_KEY")]
+        e for e in env_list(doc) if e["name"] not in ("KVCACHE_CURVINE_MASTERS", "KVCACHE_SIGNING_KEY")
+    ]
     errors = check.pod_errors(doc)
     assert any("needs KVCACHE_CURVINE_MASTERS" in e for e in errors)
     assert any("needs KVCACHE_SIGNING_KEY" in e for e in errors)

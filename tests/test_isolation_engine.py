@@ -24,7 +24,7 @@ from tests.test_engine import tokens
 
 pytestmark = pytest.mark.engine
 
-P, Q = tokens(300, 600), tokens(301, 600)   # 2 chunks + an 88-token tail each
+P, Q = tokens(300, 600), tokens(301, 600)  # 2 chunks + an 88-token tail each
 
 
 def explained(result: dict) -> list[tuple]:
@@ -34,46 +34,71 @@ def explained(result: dict) -> list[tuple]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("isolation")
-    model = tmp / "model"                      # one path, as /opt/ml/model is for every model
+    model = tmp / "model"  # one path, as /opt/ml/model is for every model
     dram, disk, shared = tmp / "dram", tmp / "disk", tmp / "l3"
     shared.mkdir()
-    cache = {"KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_PATH": str(disk),
-             "KVCACHE_DISK_SIZE": "256MiB", "KVCACHE_SHARED_URL": f"file://{shared}",
-             "KVCACHE_SHARED_ADMISSION": "all"}
+    cache = {
+        "KVCACHE_DRAM_PATH": str(dram),
+        "KVCACHE_DRAM_SIZE": "64MiB",
+        "KVCACHE_DISK_PATH": str(disk),
+        "KVCACHE_DISK_SIZE": "256MiB",
+        "KVCACHE_SHARED_URL": f"file://{shared}",
+        "KVCACHE_SHARED_ADMISSION": "all",
+    }
     prompt = lambda toks, **kw: {"prompt_token_ids": toks, **kw}  # noqa: E731
     ensure_model(model, ModelShape(seed=0))
     config = (model / "config.json").read_text()
-    one = run_engine({"model": str(model), "prefix_caching": False, "cache": cache, "steps": [
-        prompt(P), {"sleep": 1.0},                          # 0: stored, published
-        prompt(P), {"sleep": 1.0},                          # 1: a DRAM hit, copied to disk
-        {"corrupt": [str(dram), str(disk)]},                # 2
-        prompt(P), {"sleep": 1.0},                          # 3: served by the shared tier
-        prompt(P, prompt_logprobs=1),                       # 4: vLLM computes it all
-        prompt(Q), {"sleep": 1.0},                          # 5: stored for the second engine
-    ]})
-    ensure_model(model, ModelShape(seed=1))                 # new weights, in place
+    one = run_engine(
+        {
+            "model": str(model),
+            "prefix_caching": False,
+            "cache": cache,
+            "steps": [
+                prompt(P),
+                {"sleep": 1.0},  # 0: stored, published
+                prompt(P),
+                {"sleep": 1.0},  # 1: a DRAM hit, copied to disk
+                {"corrupt": [str(dram), str(disk)]},  # 2
+                prompt(P),
+                {"sleep": 1.0},  # 3: served by the shared tier
+                prompt(P, prompt_logprobs=1),  # 4: vLLM computes it all
+                prompt(Q),
+                {"sleep": 1.0},  # 5: stored for the second engine
+            ],
+        }
+    )
+    ensure_model(model, ModelShape(seed=1))  # new weights, in place
     assert (model / "config.json").read_text() == config
-    two = run_engine({"model": str(model), "prefix_caching": False, "cache": cache, "steps": [
-        prompt(P), prompt(Q), {"sleep": 1.0}, prompt(Q),   # 0 1 2
-    ]})
-    namespaces = {name for root in (dram, disk, shared) for name in os.listdir(root)
-                  if not name.startswith(".")}
+    two = run_engine(
+        {
+            "model": str(model),
+            "prefix_caching": False,
+            "cache": cache,
+            "steps": [
+                prompt(P),
+                prompt(Q),
+                {"sleep": 1.0},
+                prompt(Q),  # 0 1 2
+            ],
+        }
+    )
+    namespaces = {name for root in (dram, disk, shared) for name in os.listdir(root) if not name.startswith(".")}
     return one, two, namespaces
 
 
 def test_a_model_with_other_weights_at_the_same_path_loads_nothing_of_the_other(runs):
     one, two, namespaces = runs
-    assert one[1]["loaded"] == {"dram": 599}            # the first engine's own hit
-    for cold in (two[0], two[1]):                       # P and Q: stored by the first, in all three tiers
+    assert one[1]["loaded"] == {"dram": 599}  # the first engine's own hit
+    for cold in (two[0], two[1]):  # P and Q: stored by the first, in all three tiers
         assert cold["loaded"] == {} and explained(cold) == [(0, 599, "never_stored", None)]
     # its own entries it does load, and they give what its cold run gave
     assert two[2]["loaded"] == {"dram": 599} and close_logprobs(two[2], two[1])
-    assert len(namespaces) == 2, namespaces             # one namespace per set of weights
+    assert len(namespaces) == 2, namespaces  # one namespace per set of weights
 
 
 def test_a_hit_names_the_tier_that_served_it(runs):
     one, _, _ = runs
-    assert one[2]["corrupted"] >= 6                     # P's 3 chunks in DRAM and on disk
+    assert one[2]["corrupted"] >= 6  # P's 3 chunks in DRAM and on disk
     assert explained(one[3]) == [(0, 599, "shared", None)] and one[3]["loaded"] == {"shared": 599}
     assert close_logprobs(one[3], one[0])
 
@@ -82,4 +107,3 @@ def test_prompt_logprobs_requests_load_nothing_and_say_so(runs):
     one, _, _ = runs
     assert explained(one[4]) == [(0, 599, "recompute", None)] and one[4]["loaded"] == {}
     assert one[4]["num_cached_tokens"] == 0
-

@@ -38,17 +38,20 @@ def test_wrong_entry_shape_is_refused():
     with pytest.raises(ValueError):
         copier.scatter([0, 1], torch.zeros(1, 1, 2, 3))  # one block held, two asked for
     with pytest.raises(ValueError):
-        copier.scatter([0], torch.zeros(1, 2, 2, 4))     # foreign block shape
+        copier.scatter([0], torch.zeros(1, 2, 2, 4))  # foreign block shape
 
 
-@pytest.mark.parametrize("caches,num_blocks,why", [
-    ({"l0": torch.zeros(3, 3, 3)}, 7, "whole number of kernel blocks"),
-    ({"l0": torch.zeros(2, 6, 4)}, 6, "whole number of kernel blocks"),  # an older vLLM's [2, blocks, ...]
-    ({"l0": torch.zeros(4096, dtype=torch.int8)}, 8, "flat"),           # a spec without per-layer views
-    ({"l0": torch.zeros(12, 5, 8)}, 4, r"only \[blocks, heads, tokens, content\] views"),  # split, 3-D
-    ({"l0": torch.zeros(8, 4, 6).transpose(1, 2)}, 8, "innermost dimension is not contiguous"),
-    ({"l0": torch.zeros(8, 2, 4, 8), "l1": torch.zeros(8, 2, 4, 4)}, 8, "differs in shape or dtype"),
-])
+@pytest.mark.parametrize(
+    "caches,num_blocks,why",
+    [
+        ({"l0": torch.zeros(3, 3, 3)}, 7, "whole number of kernel blocks"),
+        ({"l0": torch.zeros(2, 6, 4)}, 6, "whole number of kernel blocks"),  # an older vLLM's [2, blocks, ...]
+        ({"l0": torch.zeros(4096, dtype=torch.int8)}, 8, "flat"),  # a spec without per-layer views
+        ({"l0": torch.zeros(12, 5, 8)}, 4, r"only \[blocks, heads, tokens, content\] views"),  # split, 3-D
+        ({"l0": torch.zeros(8, 4, 6).transpose(1, 2)}, 8, "innermost dimension is not contiguous"),
+        ({"l0": torch.zeros(8, 2, 4, 8), "l1": torch.zeros(8, 2, 4, 4)}, 8, "differs in shape or dtype"),
+    ],
+)
 def test_views_the_cache_cannot_read_are_refused_with_the_reason(caches, num_blocks, why):
     with pytest.raises(ValueError, match=why):
         KVLayout.of(caches, num_blocks)
@@ -60,8 +63,12 @@ def test_kernel_blocks_are_regrouped_into_the_manager_blocks_entries_hold():
     blocks, heads, tokens, content, split = 5, 3, 8, 4, 4
     whole = torch.randn(blocks, heads, tokens, content)
     # the same KV in kernel blocks: row b*4+k holds tokens 2k, 2k+1 of manager block b
-    kernel = whole.unflatten(2, (split, tokens // split)).permute(0, 2, 1, 3, 4).reshape(
-        blocks * split, heads, tokens // split, content).contiguous()
+    kernel = (
+        whole.unflatten(2, (split, tokens // split))
+        .permute(0, 2, 1, 3, 4)
+        .reshape(blocks * split, heads, tokens // split, content)
+        .contiguous()
+    )
     a, b = KVLayout.of({"l": whole}, blocks), KVLayout.of({"l": kernel}, blocks)
     assert (a.split, b.split) == (1, 4) and a.entry_shape(2) == b.entry_shape(2)
     assert torch.equal(BlockCopier({"l": kernel}, b).gather([3, 1]), BlockCopier({"l": whole}, a).gather([3, 1]))

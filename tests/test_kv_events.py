@@ -22,9 +22,18 @@ B = 128
 
 def request(req_id: str, tokens: list[int], salt=None, lora=None):
     """A stand-in of vLLM's ``Request`` with block hashes from vLLM's own hasher."""
-    r = SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=tokens, num_tokens=len(tokens),
-                        cache_salt=salt, lora_request=lora, mm_features=[], prompt_embeds=None,
-                        session_id=None, block_hashes=[])
+    r = SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        all_token_ids=tokens,
+        num_tokens=len(tokens),
+        cache_salt=salt,
+        lora_request=lora,
+        mm_features=[],
+        prompt_embeds=None,
+        session_id=None,
+        block_hashes=[],
+    )
     init_none_hash(sha256_cbor)
     r.block_hashes = get_request_block_hasher(B, sha256_cbor)(r)
     return r
@@ -36,8 +45,9 @@ def external(r, first: int, last: int) -> list:
 
 
 def chunks(n: int, size: int = 256):
-    return [SimpleNamespace(key=f"k{i}", start=i * size, end=min(n, (i + 1) * size))
-            for i in range((n + size - 1) // size)]
+    return [
+        SimpleNamespace(key=f"k{i}", start=i * size, end=min(n, (i + 1) * size)) for i in range((n + size - 1) // size)
+    ]
 
 
 TOKENS = list(range(1, 700))  # two whole 256-token chunks and a 187-token tail (one full block)
@@ -68,14 +78,25 @@ def test_stored_and_removed_per_tier_with_vllm_media():
     events = TierEvents([DRAM, DISK, SHARED], 1, B)
     r = request("a", TOKENS)
     events.seen(r, chunks(len(TOKENS)))
-    events.apply([("k0", "stored", "dram"), ("k1", "stored", "dram"), ("k0", "evicted", "dram"),
-                  ("k0", "stored", "disk"), ("k1", "not_admitted", "disk"), ("k1", "stored", "shared"),
-                  ("nobody", "stored", "dram")])
+    events.apply(
+        [
+            ("k0", "stored", "dram"),
+            ("k1", "stored", "dram"),
+            ("k0", "evicted", "dram"),
+            ("k0", "stored", "disk"),
+            ("k1", "not_admitted", "disk"),
+            ("k1", "stored", "shared"),
+            ("nobody", "stored", "dram"),
+        ]
+    )
     out = events.take()
     assert [(type(e).__name__, e.medium, e.ownership, e.locality) for e in out] == [
-        ("BlockStored", MEDIUM_CPU, "dram", "LOCAL"), ("BlockStored", MEDIUM_CPU, "dram", "LOCAL"),
-        ("BlockRemoved", MEDIUM_CPU, "dram", "LOCAL"), ("BlockStored", MEDIUM_STORAGE, "disk", "LOCAL"),
-        ("BlockStored", MEDIUM_STORAGE, "shared", "REMOTE")]
+        ("BlockStored", MEDIUM_CPU, "dram", "LOCAL"),
+        ("BlockStored", MEDIUM_CPU, "dram", "LOCAL"),
+        ("BlockRemoved", MEDIUM_CPU, "dram", "LOCAL"),
+        ("BlockStored", MEDIUM_STORAGE, "disk", "LOCAL"),
+        ("BlockStored", MEDIUM_STORAGE, "shared", "REMOTE"),
+    ]
     assert out[0].block_hashes == external(r, 0, 2) and out[2].block_hashes == out[0].block_hashes
     assert out[0].token_ids == TOKENS[:256] and out[0].block_size == B
     assert events.take() == []
@@ -104,8 +125,9 @@ def test_bounded_records_held_chunks_and_pending_events(monkeypatch):
     events.seen(request("a", TOKENS), chunks(len(TOKENS)))
     assert list(events.recent) == ["k1", "k2"]
     for i, n in enumerate((700, 900, 1100)):
-        events.seen(request(f"r{i}", list(range(i * 10_000, i * 10_000 + n))),
-                    [SimpleNamespace(key=f"x{i}", start=0, end=256)])
+        events.seen(
+            request(f"r{i}", list(range(i * 10_000, i * 10_000 + n))), [SimpleNamespace(key=f"x{i}", start=0, end=256)]
+        )
         events.apply([(f"x{i}", "stored", "dram")])
     out = events.take()
     # the third held chunk pushed the first out, announced removed: a router under-credits

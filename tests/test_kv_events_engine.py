@@ -32,7 +32,7 @@ from tests.engine_driver import entry_files
 
 pytestmark = pytest.mark.engine
 
-B = 128   # vLLM's block size on the CPU build
+B = 128  # vLLM's block size on the CPU build
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -40,9 +40,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-P1 = tokens(11, 1500)       # 5 chunks and a 220-token tail (one full block)
-PS = tokens(12, 700)        # sent salted and unsalted
-P2 = tokens(13, 1200)       # after the restart: pushes older chunks out of DRAM
+P1 = tokens(11, 1500)  # 5 chunks and a 220-token tail (one full block)
+PS = tokens(12, 700)  # sent salted and unsalted
+P2 = tokens(13, 1200)  # after the restart: pushes older chunks out of DRAM
 FLUSH = {"prompt_token_ids": tokens(14, 40), "kv_transfer_params": {"kvcache_save": False}}
 
 
@@ -56,8 +56,8 @@ class Subscriber:
         self.sock.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.view: dict[tuple, set] = defaultdict(set)
-        self.gpu: dict = {}          # hash -> (tokens, extra key) of vLLM's own GPU events
-        self.ours: dict = {}         # hash -> (tokens, extra key) of the tiers' events
+        self.gpu: dict = {}  # hash -> (tokens, extra key) of vLLM's own GPU events
+        self.ours: dict = {}  # hash -> (tokens, extra key) of the tiers' events
         self.batches = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -77,9 +77,10 @@ class Subscriber:
 
     def _apply(self, event) -> None:
         if isinstance(event, BlockStored):
-            blocks = {h: (tuple(event.token_ids[i * B:(i + 1) * B]),
-                          event.extra_keys[i] if event.extra_keys else None)
-                      for i, h in enumerate(event.block_hashes)}
+            blocks = {
+                h: (tuple(event.token_ids[i * B : (i + 1) * B]), event.extra_keys[i] if event.extra_keys else None)
+                for i, h in enumerate(event.block_hashes)
+            }
             if event.medium in (None, MEDIUM_GPU):
                 self.gpu.update(blocks)
             else:
@@ -103,13 +104,19 @@ class Subscriber:
 def tier_contents(cache: dict, snapshot_file: str) -> tuple[dict, dict]:
     """What each tier's folder holds, as (medium, tier) -> block hashes through the
     connector's chunk record; and the chunk keys of each folder and of the record."""
-    record = {t: [(k, hs) for k, hs, _parent in entries]
-              for t, entries in json.loads(open(snapshot_file).read())["tiers"].items()}
-    folders = {"dram": cache["KVCACHE_DRAM_PATH"], "disk": cache["KVCACHE_DISK_PATH"],
-               "shared": cache["KVCACHE_SHARED_URL"][len("file://"):]}
+    record = {
+        t: [(k, hs) for k, hs, _parent in entries]
+        for t, entries in json.loads(open(snapshot_file).read())["tiers"].items()
+    }
+    folders = {
+        "dram": cache["KVCACHE_DRAM_PATH"],
+        "disk": cache["KVCACHE_DISK_PATH"],
+        "shared": cache["KVCACHE_SHARED_URL"][len("file://") :],
+    }
     medium = {"dram": MEDIUM_CPU, "disk": MEDIUM_STORAGE, "shared": MEDIUM_STORAGE}
-    keys = {t: ({key for _ns, key, _p in entry_files(f)}, {k for k, _ in record.get(t, [])})
-            for t, f in folders.items()}
+    keys = {
+        t: ({key for _ns, key, _p in entry_files(f)}, {k for k, _ in record.get(t, [])}) for t, f in folders.items()
+    }
     view = {(medium[t], t): {h for _k, hs in record.get(t, []) for h in hs} for t in folders}
     return {k: v for k, v in view.items() if v}, keys
 
@@ -128,23 +135,47 @@ def wait_for(sub: Subscriber, expected: dict, timeout: float = 60) -> dict:
 def runs(model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("events")
     port = free_port()
-    cache = {"KVCACHE_DRAM_PATH": str(tmp / "shm"), "KVCACHE_DRAM_SIZE": "2MiB",
-             "KVCACHE_DISK_PATH": str(tmp / "disk"), "KVCACHE_DISK_SIZE": "256MiB",
-             "KVCACHE_SHARED_URL": f"file://{tmp / 'shared'}", "KVCACHE_SHARED_ADMISSION": "all"}
+    cache = {
+        "KVCACHE_DRAM_PATH": str(tmp / "shm"),
+        "KVCACHE_DRAM_SIZE": "2MiB",
+        "KVCACHE_DISK_PATH": str(tmp / "disk"),
+        "KVCACHE_DISK_SIZE": "256MiB",
+        "KVCACHE_SHARED_URL": f"file://{tmp / 'shared'}",
+        "KVCACHE_SHARED_ADMISSION": "all",
+    }
     os.makedirs(tmp / "shared")
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     settle = {"sleep": 1}
     try:
         out = {}
-        run_engine({"model": model_path, "cache": cache, "kv_events": events, "steps": [
-            {"prompt_token_ids": P1}, {"prompt_token_ids": PS, "cache_salt": "tenantA"},
-            {"prompt_token_ids": PS}, settle, FLUSH, settle, FLUSH]})
+        run_engine(
+            {
+                "model": model_path,
+                "cache": cache,
+                "kv_events": events,
+                "steps": [
+                    {"prompt_token_ids": P1},
+                    {"prompt_token_ids": PS, "cache_salt": "tenantA"},
+                    {"prompt_token_ids": PS},
+                    settle,
+                    FLUSH,
+                    settle,
+                    FLUSH,
+                ],
+            }
+        )
         snap = next((tmp / "disk").glob(".kvevents-*.json"))
         out["first"] = tier_contents(cache, str(snap))
         out["first_view"] = wait_for(sub, out["first"][0])
-        run_engine({"model": model_path, "cache": cache, "kv_events": events, "steps": [
-            {"prompt_token_ids": P2}, {"prompt_token_ids": P1}, settle, FLUSH, settle, FLUSH]})
+        run_engine(
+            {
+                "model": model_path,
+                "cache": cache,
+                "kv_events": events,
+                "steps": [{"prompt_token_ids": P2}, {"prompt_token_ids": P1}, settle, FLUSH, settle, FLUSH],
+            }
+        )
         out["second"] = tier_contents(cache, str(snap))
         out["second_view"] = wait_for(sub, out["second"][0])
         # A third engine that writes nothing: it announces what the workers of the two
@@ -182,7 +213,7 @@ def test_every_announced_block_is_vllms_own_and_salt_splits_them_as_vllm_does(ru
     sub = runs["sub"]
     assert sub.ours and set(sub.ours) <= set(sub.gpu)
     for h, block in sub.ours.items():
-        assert block == sub.gpu[h], h   # same tokens, same extra keys (salt) for that hash
+        assert block == sub.gpu[h], h  # same tokens, same extra keys (salt) for that hash
     first_ps = [(h, extra) for h, (toks, extra) in sub.ours.items() if toks == tuple(PS[:B])]
     assert len(first_ps) == 2 and len({h for h, _ in first_ps}) == 2
     assert sorted(str(extra) for _, extra in first_ps) == sorted([str(("tenantA",)), "None"])

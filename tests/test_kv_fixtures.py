@@ -11,8 +11,9 @@ from cache.vllm.kv_copy import KVLayout
 def test_the_committed_views_are_what_the_installed_vllm_builds():
     fresh, committed = kv_fixtures.generate(), kv_fixtures.load()
     assert fresh["vllm"] == committed["vllm"]
-    changed = sorted(k for k in set(fresh["cases"]) | set(committed["cases"])
-                     if fresh["cases"].get(k) != committed["cases"].get(k))
+    changed = sorted(
+        k for k in set(fresh["cases"]) | set(committed["cases"]) if fresh["cases"].get(k) != committed["cases"].get(k)
+    )
     assert changed == [], f"vLLM's KV cache views changed: {changed}; run python -m bench.kv_fixtures --write"
 
 
@@ -40,4 +41,4 @@ def test_every_view_vllm_builds_is_accepted_and_the_cpu_builds_is_read_in_place(
     entry = copier.gather([3, 4])
     first = views[cpu["views"][0]["name"]]
     start = first.storage_offset() * first.element_size() + 3 * copier.layout.block_bytes()
-    assert torch.equal(entry[0].view(torch.int8).reshape(-1), raw[start:start + 2 * copier.layout.block_bytes()])
+    assert torch.equal(entry[0].view(torch.int8).reshape(-1), raw[start : start + 2 * copier.layout.block_bytes()])

@@ -32,8 +32,15 @@ KEY = "ab" * 16
 
 
 def config(tmp_path, **extra):
-    return build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "16MiB",
-                               "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "16MiB", **extra})
+    return build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "16MiB",
+            **extra,
+        }
+    )
 
 
 @pytest.fixture
@@ -61,10 +68,19 @@ def stored(side, writer, n, tier_of_chunk):
 
 def measured(side, disk_bytes_per_s, s_per_token=1e-4):
     """Samples as workers send them: disk loads at this bandwidth, a prefill rate."""
-    side.planner.observe([("load", t, int(n), 0.001 + n / bw) for n in (1e6, 1e7, 1e8)
-                          for t, bw in (("disk", disk_bytes_per_s), ("dram", 20e9))])
-    side.planner.observe([("step", n, attention_pairs(n, c), 0.002 + s_per_token * n) for n, c in
-                          ((1, 2000), (64, 0), (512, 512), (2048, 0), (1024, 1024))])
+    side.planner.observe(
+        [
+            ("load", t, int(n), 0.001 + n / bw)
+            for n in (1e6, 1e7, 1e8)
+            for t, bw in (("disk", disk_bytes_per_s), ("dram", 20e9))
+        ]
+    )
+    side.planner.observe(
+        [
+            ("step", n, attention_pairs(n, c), 0.002 + s_per_token * n)
+            for n, c in ((1, 2000), (64, 0), (512, 512), (2048, 0), (1024, 1024))
+        ]
+    )
 
 
 def busy(side):
@@ -128,8 +144,11 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded_with_a_deadline(setup):
     (load,) = side.build_connector_meta(output()).loads
     assert 0 < load.estimate_s < load.deadline_s
     side.request_finished(req)
-    assert counts(side.get_stats()) == {"plan:recompute.requests": 1, "plan:load.requests": 1,
-                                     "miss:recompute:none": 1499}
+    assert counts(side.get_stats()) == {
+        "plan:recompute.requests": 1,
+        "plan:load.requests": 1,
+        "miss:recompute:none": 1499,
+    }
 
 
 def test_load_decision_always_loads_what_the_cost_model_would_recompute(tmp_path):
@@ -151,7 +170,9 @@ def test_a_fast_tier_prefix_loads_and_the_slow_rest_is_recomputed(setup):
     assert len(load.chunks) == 2 and load.deadline_s is None
     why = side.explain_finished(req)
     assert [(r["tokens"], r.get("from") or r.get("computed")) for r in why] == [
-        ([0, 512], "dram"), ([512, 1499], "recompute")]
+        ([0, 512], "dram"),
+        ([512, 1499], "recompute"),
+    ]
     side.request_finished(req)
     assert counts(side.get_stats()) == {"plan:partial.requests": 1, "miss:recompute:none": 1499 - 512}
 
@@ -171,8 +192,9 @@ def worker(tmp_path, request, monkeypatch):
     into the CPU blocks (the CPU build's path), "copied": read, then copied (CUDA, hybrid)."""
     if request.param == "copied":
         monkeypatch.setattr(BlockCopier, "placeable", property(lambda self: False))
-    side = WorkerSide(config(tmp_path), Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
-                      num_blocks=8, block_size=BLOCK)
+    side = WorkerSide(
+        config(tmp_path), Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK), num_blocks=8, block_size=BLOCK
+    )
     torch.manual_seed(0)
     caches = {f"layer.{i}": torch.randn(8, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(2)}
     side.register_kv_caches(caches)
@@ -192,8 +214,9 @@ def finish(side, timeout=10.0):
 
 def test_worker_loads_and_reports_its_time(worker):
     side, caches = worker
-    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], True,
-                                                           estimate_s=0.5, deadline_s=5.0)]))
+    side.start_load_kv(
+        TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], True, estimate_s=0.5, deadline_s=5.0)])
+    )
     assert finish(side) == set()
     for t in caches.values():
         assert torch.equal(t[4:6], t[0:2])  # byte for byte
@@ -226,20 +249,24 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
     (``cache.vllm.layered``) the forward thread takes no shared-tier layer either."""
     import threading
 
-    side = WorkerSide(config(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3",
-                             KVCACHE_LAYERED_LOADS=str(layered).lower()),
-                      Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK), num_blocks=8, block_size=BLOCK)
+    side = WorkerSide(
+        config(tmp_path, KVCACHE_SHARED_URL=f"file://{tmp_path}/l3", KVCACHE_LAYERED_LOADS=str(layered).lower()),
+        Namespace("m", "d", "bfloat16", "x", chunk_tokens=CHUNK),
+        num_blocks=8,
+        block_size=BLOCK,
+    )
     caches = {f"layer.{i}": torch.randn(8, 2, BLOCK, 2, 8).to(torch.bfloat16) for i in range(2)}
     side.register_kv_caches(caches)
     side.wait_for_save(TieredKVMetadata(saves=[ChunkIO(KEY, None, [0, 1], shared=True)]))
     side.store.flush(10)
-    for tier in side.store.tiers[:side.store.n_local]:
+    for tier in side.store.tiers[: side.store.n_local]:
         tier.delete(KEY)
     assert side.store.tiers[-1].contains(KEY)
     shared = side.store.tiers[-1]
     readers, read_with, run_read, submitted = [], shared.read_with, side.store.run_read, []
-    monkeypatch.setattr(shared, "read_with", lambda key, use: (readers.append(threading.current_thread().name),
-                                                               read_with(key, use))[1])
+    monkeypatch.setattr(
+        shared, "read_with", lambda key, use: (readers.append(threading.current_thread().name), read_with(key, use))[1]
+    )
 
     def first_never_starts(fn, *args):
         # The read threads never start the chunk's first read: the loading thread takes
@@ -248,8 +275,11 @@ def test_a_synchronous_load_leaves_shared_tier_reads_to_the_read_threads(tmp_pat
         return Future() if len(submitted) == 1 else run_read(fn, *args)
 
     monkeypatch.setattr(side.store, "run_read", first_never_starts)
-    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False,
-                                                           compute_tokens=MIN_COMPUTE_TOKENS)]))
+    side.start_load_kv(
+        TieredKVMetadata(
+            loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False, compute_tokens=MIN_COMPUTE_TOKENS)]
+        )
+    )
     assert side.get_block_ids_with_load_errors() == set()
     for t in caches.values():
         assert torch.equal(t[4:6], t[0:2])  # read in place from the shared tier's file
@@ -273,8 +303,9 @@ def test_a_load_past_its_deadline_is_cut_short(worker, monkeypatch):
 
     monkeypatch.setattr(side.store, "get_async", slow_get)
     monkeypatch.setattr(side.store, "run_read", slow_read)
-    side.start_load_kv(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], True,
-                                                           estimate_s=0.01, deadline_s=0.05)]))
+    side.start_load_kv(
+        TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], True, estimate_s=0.01, deadline_s=0.05)])
+    )
     assert finish(side) == {4, 5}  # vLLM recomputes them
     for n, t in caches.items():
         assert torch.equal(t[4:6], before[n])  # nothing written into them
@@ -302,8 +333,14 @@ def test_prometheus_names_for_paths_and_modes():
     registry = CollectorRegistry()
     kinds = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     metrics = TieredKVPromMetrics(SimpleNamespace(kv_transfer_config=None), kinds, ["model_name"], {0: ["m"]})
-    metrics.observe({"plan:partial.requests": 2, "load:async.cut_short": 1, "load:async.estimated_seconds": 0.5,
-                     "miss:recompute:none": 700})
+    metrics.observe(
+        {
+            "plan:partial.requests": 2,
+            "load:async.cut_short": 1,
+            "load:async.estimated_seconds": 0.5,
+            "miss:recompute:none": 700,
+        }
+    )
     value = registry.get_sample_value
     assert value("kvcache:requests_by_path_total", {"model_name": "m", "path": "partial"}) == 2
     assert value("kvcache:loads_cut_short_total", {"model_name": "m", "mode": "async"}) == 1

@@ -28,7 +28,7 @@ from serving.tgi import parse_tgi, tgi_to_completion
 from tests.test_inspect import env_for, inspect
 
 NS = Namespace("m", "d", "uint8", "x", chunk_tokens=16)
-ENTRY = 1024 + 256   # bytes of one test entry (payload + header)
+ENTRY = 1024 + 256  # bytes of one test entry (payload + header)
 
 
 class Clock:
@@ -51,8 +51,12 @@ def test_pin_ask_from_kv_transfer_params():
     assert pin_ask(None) is None and pin_ask({"kvcache_load": False}) is None
     assert pin_ask({"kvcache_pin_ttl": "1h"}) == PinAsk(3600.0, None)
     assert pin_ask({"kvcache_pin_ttl": 60, "kvcache_pin_tokens": 512}) == PinAsk(60.0, 512)
-    for bad in ({"kvcache_pin_tokens": 10}, {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": 0},
-                {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": "all"}, {"kvcache_pin_ttl": "forever"}):
+    for bad in (
+        {"kvcache_pin_tokens": 10},
+        {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": 0},
+        {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": "all"},
+        {"kvcache_pin_ttl": "forever"},
+    ):
         with pytest.raises(PinError):
             pin_ask(bad)
 
@@ -73,7 +77,7 @@ def test_bound_refuses_past_the_share_and_counts_each_chunk_once(tmp_path):
     book = PinBook(str(tmp_path), capacity=10 * ENTRY, share=0.5, namespace="ns1")
     ok, reason, expires, _ = book.pin(["ns1"], ["a", "b", "c"], ENTRY, 60)
     assert ok and not reason and expires > 0
-    assert book.pin(["ns1"], ["a", "b", "c"], ENTRY, 120)[0]      # the same chunks again: no new bytes
+    assert book.pin(["ns1"], ["a", "b", "c"], ENTRY, 120)[0]  # the same chunks again: no new bytes
     assert book.pin(["ns1"], ["a", "b", "d", "e"], ENTRY, 60)[0]  # 5 chunks in all: at the bound
     ok, reason, _, refusal = book.pin(["ns1"], ["f"], ENTRY, 60)
     assert not ok and "KVCACHE_PIN_MAX" in reason and refusal == "tier_budget"
@@ -86,27 +90,27 @@ def test_pins_expire_and_are_dropped_when_the_file_is_next_written(tmp_path):
     clock = Clock()
     book = PinBook(str(tmp_path), 4 * ENTRY, 0.5, namespace="ns1", clock=clock)
     assert book.pin(["ns1"], ["a", "b"], ENTRY, 300)[0]
-    assert not book.pin(["ns1"], ["c"], ENTRY, 300)[0]     # full
+    assert not book.pin(["ns1"], ["c"], ENTRY, 300)[0]  # full
     clock.t += 299
     assert book.held("a")
     clock.t += 2
     assert not book.held("a") and book.live() == []
     assert len(json.loads((tmp_path / PINS_FILE).read_text())["pins"]) == 1  # lazily: still on file
-    assert book.pin(["ns1"], ["c"], ENTRY, 300)[0]          # room again; the expired pin is dropped
+    assert book.pin(["ns1"], ["c"], ENTRY, 300)[0]  # room again; the expired pin is dropped
     pins = json.loads((tmp_path / PINS_FILE).read_text())["pins"]
     assert [p["keys"] for p in pins] == [["c"]]
 
 
 def test_pins_survive_a_new_instance_and_damage_is_ignored(tmp_path, caplog):
     PinBook(str(tmp_path), 8 * ENTRY, 0.5).pin(["ns1"], ["a", "b"], ENTRY, 600, tokens=32)
-    again = PinBook(str(tmp_path), 8 * ENTRY, 0.5, namespace="ns1")   # a restarted process
+    again = PinBook(str(tmp_path), 8 * ENTRY, 0.5, namespace="ns1")  # a restarted process
     assert again.held("a") and again.held("b") and not again.held("c")
     assert again.live()[0].tokens == 32
-    (tmp_path / PINS_FILE).write_bytes(b'{"format": 1, "pins": [{"keys": ')   # torn / damaged
+    (tmp_path / PINS_FILE).write_bytes(b'{"format": 1, "pins": [{"keys": ')  # torn / damaged
     with caplog.at_level(logging.WARNING, logger="cache.pins"):
         assert not again.held("a") and again.live() == []
     assert "damaged pin file" in caplog.text
-    assert again.pin(["ns1"], ["c"], ENTRY, 60)[0] and again.held("c")   # the next pin replaces it
+    assert again.pin(["ns1"], ["c"], ENTRY, 60)[0] and again.held("c")  # the next pin replaces it
     (tmp_path / PINS_FILE).write_text('{"format": 1, "pins": [{"keys": 3}]}')
     assert not again.held("c")
 
@@ -114,8 +118,13 @@ def test_pins_survive_a_new_instance_and_damage_is_ignored(tmp_path, caplog):
 # -- the store's eviction hook ---------------------------------------------------------------
 def _store(tmp_path, *capacities):
     tiers = [FileTier(str(tmp_path / name), NS.id, cap, name) for name, cap in zip(("dram", "disk"), capacities)]
-    return TieredStore(tiers, NS.digest, [LRUPolicy() for _ in tiers], io_threads=1,
-                       pins=PinBook(str(tmp_path / tiers[-1].name), capacities[-1], 0.5, namespace=NS.id))
+    return TieredStore(
+        tiers,
+        NS.digest,
+        [LRUPolicy() for _ in tiers],
+        io_threads=1,
+        pins=PinBook(str(tmp_path / tiers[-1].name), capacities[-1], 0.5, namespace=NS.id),
+    )
 
 
 def _put(store, keys):
@@ -130,7 +139,7 @@ def test_eviction_passes_pinned_entries_over(tmp_path):
     assert store.pins.pin([NS.id], keys[:2], ENTRY, 600)[0]
     _put(store, keys)
     present = [k for k in keys if store.tiers[0].contains(k)]
-    assert present == keys[:2] + keys[-2:]    # the pinned two and the newest unpinned two
+    assert present == keys[:2] + keys[-2:]  # the pinned two and the newest unpinned two
     assert store.stats.tiers["dram"].evictions == 8
     store.check()
     store.close()
@@ -146,7 +155,7 @@ def test_dram_demotes_a_pinned_entry_to_disk_never_drops_it(tmp_path):
     # DRAM kept pinned 2 while it had an unpinned entry to evict; pinned 0 and 1 went down
     # when DRAM held only pins; the disk evicted unpinned entries only, oldest first.
     assert where == ["d", "d", "D"] + [""] * 6 + ["d"] * 6 + ["D"]
-    assert store.get(keys[0]) is not None   # (and promoted back to DRAM)
+    assert store.get(keys[0]) is not None  # (and promoted back to DRAM)
     store.flush(30)
     store.check()
     store.close()
@@ -187,7 +196,7 @@ def test_pinner_pins_whole_chunks_inside_the_prefix(tmp_path):
     pinner = Pinner(cfg, ["ns0", "ns1"], ENTRY)
     req = SimpleNamespace(request_id="r1", kv_transfer_params={"kvcache_pin_ttl": "1h", "kvcache_pin_tokens": 40})
     pinner.offer(req, _chunks(3, tail=5), 53)
-    pinner.offer(req, _chunks(3, tail=5), 53)    # asked again (deferred): pinned once
+    pinner.offer(req, _chunks(3, tail=5), 53)  # asked again (deferred): pinned once
     result = pinner.finished(req)
     assert result["pinned"] and result["tokens"] == 32 and result["chunks"] == 2 and result["tier"] == "disk"
     book = PinBook(str(tmp_path), 20 * ENTRY, 0.5, namespace="ns1")
@@ -223,11 +232,16 @@ def test_pinner_marks_pinned_chunks_for_the_shared_tier(tmp_path):
 
 # -- the server: cache_control and kv_transfer_params ----------------------------------------
 def test_cache_control_on_a_message_or_a_content_part_is_taken_out():
-    body = {"messages": [
-        {"role": "system", "content": "rules", "cache_control": {"type": "ephemeral"}},
-        {"role": "user", "content": [{"type": "text", "text": "doc", "cache_control": {"type": "ephemeral",
-                                                                                        "ttl": "1h"}}]},
-        {"role": "user", "content": "question"}]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "rules", "cache_control": {"type": "ephemeral"}},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "doc", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            },
+            {"role": "user", "content": "question"},
+        ]
+    }
     original = json.dumps(body)
     pin = take_cache_control(body)
     assert pin == ChatPin(message=1, ttl_s=3600.0, last=False)
@@ -237,9 +251,15 @@ def test_cache_control_on_a_message_or_a_content_part_is_taken_out():
     assert take_cache_control({"messages": [{"role": "user", "content": "q"}]}) is None
 
 
-@pytest.mark.parametrize("mark, message", [
-    ({"type": "persistent"}, "type"), ({"type": "ephemeral", "ttl": "2h"}, "ttl"),
-    ("yes", "must be an object"), ({"type": "ephemeral", "size": 3}, "unknown fields")])
+@pytest.mark.parametrize(
+    "mark, message",
+    [
+        ({"type": "persistent"}, "type"),
+        ({"type": "ephemeral", "ttl": "2h"}, "ttl"),
+        ("yes", "must be an object"),
+        ({"type": "ephemeral", "size": 3}, "unknown fields"),
+    ],
+)
 def test_bad_cache_control_is_a_400(mark, message):
     with pytest.raises(ClientError, match=message) as e:
         take_cache_control({"messages": [{"role": "user", "content": "q", "cache_control": mark}]})

@@ -19,29 +19,57 @@ from tests.test_engine import tokens
 pytestmark = pytest.mark.engine
 
 PINNED, UNPINNED, TOO_BIG, SALTED = tokens(300, 512), tokens(301, 512), tokens(302, 1024), tokens(303, 256)
-FILL = [tokens(310 + i, 512) for i in range(8)]   # 2 chunks each: 8 of them fill DRAM twice
+FILL = [tokens(310 + i, 512) for i in range(8)]  # 2 chunks each: 8 of them fill DRAM twice
 
 
 def prompt(toks, salt=None, **params):
-    return {"prompt_token_ids": toks, **({"kv_transfer_params": params} if params else {}),
-            **({"cache_salt": salt} if salt else {})}
+    return {
+        "prompt_token_ids": toks,
+        **({"kv_transfer_params": params} if params else {}),
+        **({"cache_salt": salt} if salt else {}),
+    }
 
 
 @pytest.fixture(scope="module")
 def engines(model_path, tmp_path_factory):
     dram = str(tmp_path_factory.mktemp("pins") / "dram")
-    cache = {"KVCACHE_DRAM_PATH": dram, "KVCACHE_DRAM_SIZE": "4MiB", "KVCACHE_DISK_SIZE": "0",
-             "KVCACHE_POLICY": "lru", "KVCACHE_PIN_MAX": "0.5", "KVCACHE_PIN_TENANT_MAX": "0.75"}
-    one = run_engine({"model": model_path, "prefix_caching": False, "cache": cache, "steps": [
-        prompt(PINNED, kvcache_pin_ttl="1h"), prompt(UNPINNED),               # 0 1
-        prompt(TOO_BIG, kvcache_pin_ttl=600),                                 # 2: refused
-        *[prompt(f) for f in FILL[:4]], {"sleep": 1.0},                       # 3-6
-        prompt(PINNED), prompt(UNPINNED),                                     # 7 8
-        prompt(SALTED, salt="tenant-b", kvcache_pin_ttl=600),                 # 9: another tenant
-    ]})
-    two = run_engine({"model": model_path, "prefix_caching": False, "cache": cache, "steps": [
-        *[prompt(f) for f in FILL[4:]], {"sleep": 1.0}, prompt(PINNED),       # 0-3, 4
-    ]})
+    cache = {
+        "KVCACHE_DRAM_PATH": dram,
+        "KVCACHE_DRAM_SIZE": "4MiB",
+        "KVCACHE_DISK_SIZE": "0",
+        "KVCACHE_POLICY": "lru",
+        "KVCACHE_PIN_MAX": "0.5",
+        "KVCACHE_PIN_TENANT_MAX": "0.75",
+    }
+    one = run_engine(
+        {
+            "model": model_path,
+            "prefix_caching": False,
+            "cache": cache,
+            "steps": [
+                prompt(PINNED, kvcache_pin_ttl="1h"),
+                prompt(UNPINNED),  # 0 1
+                prompt(TOO_BIG, kvcache_pin_ttl=600),  # 2: refused
+                *[prompt(f) for f in FILL[:4]],
+                {"sleep": 1.0},  # 3-6
+                prompt(PINNED),
+                prompt(UNPINNED),  # 7 8
+                prompt(SALTED, salt="tenant-b", kvcache_pin_ttl=600),  # 9: another tenant
+            ],
+        }
+    )
+    two = run_engine(
+        {
+            "model": model_path,
+            "prefix_caching": False,
+            "cache": cache,
+            "steps": [
+                *[prompt(f) for f in FILL[4:]],
+                {"sleep": 1.0},
+                prompt(PINNED),  # 0-3, 4
+            ],
+        }
+    )
     return one, two
 
 

@@ -22,25 +22,38 @@ from serving.tgi import TgiStream, parse_tgi, sse
 
 
 # -- kv_transfer_params and the rest of what goes beside the prompt -------------------------
-@pytest.mark.parametrize("params", [None, {}, {"kvcache_load": False}, {"kvcache_save": True},
-                                    {"kvcache_load": None}, {"kvcache_pin_ttl": "5m"},
-                                    {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": 512}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        None,
+        {},
+        {"kvcache_load": False},
+        {"kvcache_save": True},
+        {"kvcache_load": None},
+        {"kvcache_pin_ttl": "5m"},
+        {"kvcache_pin_ttl": 60, "kvcache_pin_tokens": 512},
+    ],
+)
 def test_the_cache_keys_with_values_of_their_types_pass(params):
     check_params(params)
 
 
-@pytest.mark.parametrize("params, words", [
-    ({"kvcache_load": "false"}, "kvcache_load='false' must be true or false"),
-    ({"kvcache_load": 0}, "kvcache_load=0 must be true or false"),
-    ({"kvcache_save": "no"}, "kvcache_save='no'"),
-    ({"kvcache_save": [False]}, "kvcache_save=[False]"),
-    ({"k": [[[0]]]}, "unknown key(s) 'k'"),
-    ({"do_remote_prefill": True}, "'do_remote_prefill'"),
-    ({"kvcache_loaded_tokens": {"dram": 16}}, "'kvcache_loaded_tokens'"),  # an answer's key
-    ({"kvcache_pin_ttl": {"s": 1}}, "kvcache_pin_ttl"),
-    ({"kvcache_pin_tokens": 5}, "needs kvcache_pin_ttl"),
-    ([1], "must be an object"), ("x", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"kvcache_load": "false"}, "kvcache_load='false' must be true or false"),
+        ({"kvcache_load": 0}, "kvcache_load=0 must be true or false"),
+        ({"kvcache_save": "no"}, "kvcache_save='no'"),
+        ({"kvcache_save": [False]}, "kvcache_save=[False]"),
+        ({"k": [[[0]]]}, "unknown key(s) 'k'"),
+        ({"do_remote_prefill": True}, "'do_remote_prefill'"),
+        ({"kvcache_loaded_tokens": {"dram": 16}}, "'kvcache_loaded_tokens'"),  # an answer's key
+        ({"kvcache_pin_ttl": {"s": 1}}, "kvcache_pin_ttl"),
+        ({"kvcache_pin_tokens": 5}, "needs kvcache_pin_ttl"),
+        ([1], "must be an object"),
+        ("x", "must be an object"),
+    ],
+)
 def test_anything_else_is_refused_naming_the_key(params, words):
     with pytest.raises(ParamsError) as e:
         check_params(params)
@@ -51,8 +64,15 @@ def test_anything_else_is_refused_naming_the_key(params, words):
 
 def test_only_an_explicit_false_turns_a_switch_off_in_the_scheduler():
     assert not wants({"kvcache_load": False}, "kvcache_load")
-    for params in (None, {}, {"kvcache_load": True}, {"kvcache_load": "false"}, {"kvcache_load": 0},
-                   ["kvcache_load"], "kvcache_load"):
+    for params in (
+        None,
+        {},
+        {"kvcache_load": True},
+        {"kvcache_load": "false"},
+        {"kvcache_load": 0},
+        ["kvcache_load"],
+        "kvcache_load",
+    ):
         assert wants(params, "kvcache_load"), params  # never raises in the engine core
 
 
@@ -66,16 +86,20 @@ def chat(**fields):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     return ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
 
 
-@pytest.mark.parametrize("req, words", [
-    (lambda: completion(kv_transfer_params={"kvcache_load": "false"}), "kv_transfer_params: kvcache_load"),
-    (lambda: chat(kv_transfer_params={"k": [[1]]}), "kv_transfer_params: unknown key(s) 'k'"),
-    (lambda: completion(vllm_xargs={"kv_transfer_params": "x"}), "vllm_xargs: kv_transfer_params"),
-    (lambda: chat(vllm_xargs={"ec_transfer_params": [1]}), "vllm_xargs: ec_transfer_params"),
-    (lambda: completion(ec_transfer_params={"a": 1}), "encoder-cache connector"),
-])
+@pytest.mark.parametrize(
+    "req, words",
+    [
+        (lambda: completion(kv_transfer_params={"kvcache_load": "false"}), "kv_transfer_params: kvcache_load"),
+        (lambda: chat(kv_transfer_params={"k": [[1]]}), "kv_transfer_params: unknown key(s) 'k'"),
+        (lambda: completion(vllm_xargs={"kv_transfer_params": "x"}), "vllm_xargs: kv_transfer_params"),
+        (lambda: chat(vllm_xargs={"ec_transfer_params": [1]}), "vllm_xargs: ec_transfer_params"),
+        (lambda: completion(ec_transfer_params={"a": 1}), "encoder-cache connector"),
+    ],
+)
 def test_requests_carrying_more_are_a_400(req, words):
     with pytest.raises(ClientError) as e:
         check_transfer_params(req(), None)
@@ -83,8 +107,7 @@ def test_requests_carrying_more_are_a_400(req, words):
 
 
 def test_requests_within_the_rules_pass():
-    check_transfer_params(completion(kv_transfer_params={"kvcache_load": False},
-                                     vllm_xargs={"my_processor": 3}), None)
+    check_transfer_params(completion(kv_transfer_params={"kvcache_load": False}, vllm_xargs={"my_processor": 3}), None)
     check_transfer_params(chat(), None)
 
 
@@ -114,8 +137,12 @@ def test_which_requests_are_decoded_under_a_grammar():
 
 # -- how a stream ends ----------------------------------------------------------------------
 def token(text: str, tid: int, finish=None) -> str:
-    choice = {"text": text, "token_ids": [tid], "finish_reason": finish,
-              "logprobs": {"tokens": [text], "token_logprobs": [-0.5]}}
+    choice = {
+        "text": text,
+        "token_ids": [tid],
+        "finish_reason": finish,
+        "logprobs": {"tokens": [text], "token_logprobs": [-0.5]},
+    }
     return "data: " + json.dumps({"choices": [choice]}) + "\n\n"
 
 
@@ -135,7 +162,7 @@ def run(events: AsyncIterator[str]) -> list[str]:
 
 
 def data(events: list[str]) -> list:
-    return [e[len("data: "):].strip() for e in events]
+    return [e[len("data: ") :].strip() for e in events]
 
 
 def test_a_stream_cut_at_the_drain_deadline_ends_with_one_error_event():
@@ -151,20 +178,20 @@ def test_a_tgi_stream_cut_at_the_drain_deadline_sends_nothing_after_its_error_ev
     app = app_state()
     tgi = parse_tgi({"inputs": "x", "stream": True, "parameters": {"details": True}})
     chunks = [token("a", 1), token("b", 2), token("c", 3), "data: [DONE]\n\n"]
-    out = [json.loads(x) for x in data(run(_tgi_events(
-        _until_cut(source(chunks, app.gate, cut_after=1), app, False), tgi)))]
+    out = [
+        json.loads(x)
+        for x in data(run(_tgi_events(_until_cut(source(chunks, app.gate, cut_after=1), app, False), tgi)))
+    ]
     assert [e["token"]["text"] for e in out[:-1]] == ["a", "b"]  # the held-back token goes first
     assert "drain deadline" in out[-1]["error"]  # and the error event is the last one
     assert all(e.get("generated_text") is None for e in out[:-1])
 
 
 def test_an_error_event_ends_a_stream_and_a_5xx_one_is_answered_by_cause():
-    error = sse({"error": {"message": "Internal server error", "type": "InternalServerError",
-                           "code": 500}})
+    error = sse({"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}})
     chunks = [token("a", 1), error, token("late", 9), "data: [DONE]\n\n"]
     out = data(run(_until_cut(source(chunks), app_state(dead=True), False)))
-    assert json.loads(out[1])["error"] == {"message": ENGINE_DIED, "type": "ServiceUnavailableError",
-                                           "code": 503}
+    assert json.loads(out[1])["error"] == {"message": ENGINE_DIED, "type": "ServiceUnavailableError", "code": 503}
     assert out[2:] == ["[DONE]"]
     out = data(run(_until_cut(source(chunks), app_state(), True)))  # under a grammar: the client's
     assert json.loads(out[1])["error"]["code"] == 400 and out[2:] == ["[DONE]"]
@@ -174,8 +201,11 @@ def test_an_error_event_ends_a_stream_and_a_5xx_one_is_answered_by_cause():
 
 def test_a_tgi_stream_error_is_its_last_event():
     conv = TgiStream(parse_tgi({"inputs": "x", "stream": True}))
-    events = [e for c in (token("a", 1), token("b", 2), sse({"error": {"message": "boom", "type": "T"}}),
-                          token("c", 3)) for e in conv.feed(c)] + list(conv.close())
-    parsed = [json.loads(e[len("data: "):]) for e in events]
+    events = [
+        e
+        for c in (token("a", 1), token("b", 2), sse({"error": {"message": "boom", "type": "T"}}), token("c", 3))
+        for e in conv.feed(c)
+    ] + list(conv.close())
+    parsed = [json.loads(e[len("data: ") :]) for e in events]
     assert [p.get("token", {}).get("text") for p in parsed[:-1]] == ["a", "b"]
     assert parsed[-1] == {"error": "boom", "error_type": "T"}

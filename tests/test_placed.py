@@ -38,7 +38,7 @@ def store(tmp_path, signing_key=b"", shared=False, dram=True):
 def into(n):
     """A place function filling one new buffer of ``n`` bytes, in two pieces."""
     buf = bytearray(n)
-    return buf, lambda info: [memoryview(buf)[: n // 3], memoryview(buf)[n // 3:]]
+    return buf, lambda info: [memoryview(buf)[: n // 3], memoryview(buf)[n // 3 :]]
 
 
 @pytest.mark.parametrize("n", [1000, PIECE_BYTES * 2 + 77])
@@ -150,8 +150,9 @@ def test_a_reused_placed_hit_is_published(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_ids,skip,held", [
-    ([3, 4, 5], 0, 3), ([9, 2, 5, 6], 1, 5), ([7], 2, 4), ([1, 8, 3, 10, 5, 0], 0, 6)])
+@pytest.mark.parametrize(
+    "block_ids,skip,held", [([3, 4, 5], 0, 3), ([9, 2, 5, 6], 1, 5), ([7], 2, 4), ([1, 8, 3, 10, 5, 0], 0, 6)]
+)
 def test_place_puts_each_byte_where_scatter_does(tmp_path, dtype, block_ids, skip, held):
     caches = {f"l{i}": torch.randn(12, 2, 4, 8).to(dtype) for i in range(3)}
     layout = KVLayout.of(caches, 12)
@@ -166,7 +167,7 @@ def test_place_puts_each_byte_where_scatter_does(tmp_path, dtype, block_ids, ski
     at = 0
     for v in views:  # what read_placed does: fill the views in payload order
         assert not v.readonly
-        v[:] = flat[at:at + len(v)].tobytes()
+        v[:] = flat[at : at + len(v)].tobytes()
         at += len(v)
     for n in caches:
         assert torch.equal(caches[n], expect[n])
@@ -176,11 +177,11 @@ def test_place_refuses_a_foreign_entry_shape():
     caches = {"l0": torch.zeros(6, 2, 3)}
     copier = BlockCopier(caches, KVLayout.of(caches, 6))
     with pytest.raises(ValueError):
-        copier.place([0, 1], 0, "float32", (1, 1, 2, 3))   # one block held, two asked for
+        copier.place([0, 1], 0, "float32", (1, 1, 2, 3))  # one block held, two asked for
     with pytest.raises(ValueError):
-        copier.place([0], 0, "float32", (1, 1, 2, 4))      # foreign block shape
+        copier.place([0], 0, "float32", (1, 1, 2, 4))  # foreign block shape
     with pytest.raises(ValueError):
-        copier.place([0], 0, "bfloat16", (1, 1, 2, 3))     # foreign dtype
+        copier.place([0], 0, "bfloat16", (1, 1, 2, 3))  # foreign dtype
 
 
 def test_only_cpu_single_group_contiguous_unsplit_caches_are_placeable():
@@ -195,6 +196,7 @@ def test_only_cpu_single_group_contiguous_unsplit_caches_are_placeable():
 # -- the shared tier: read a piece at a time into the caller's buffers ------------------
 class SubclassedFS(LocalFileSystem):
     """A filesystem other than the plain local one: read through its file objects."""
+
     protocol = ("subclassed",)
     cachable = False
 
@@ -210,7 +212,7 @@ def only_in_shared(s, n, seed=0):
     key = chunk_keys(NS, list(range(seed, seed + 16)), 16)[0]
     data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
     assert s.put(key, None, "uint8", (n,), data, shared=True) and s.flush(10)
-    for tier in s.tiers[:s.n_local]:
+    for tier in s.tiers[: s.n_local]:
         tier.delete(key)
     assert s.tiers[-1].contains(key)
     return key, data
@@ -218,8 +220,7 @@ def only_in_shared(s, n, seed=0):
 
 @pytest.mark.parametrize("transport", ["mount", "file-object", "whole-file"])
 @pytest.mark.parametrize("dram", [True, False])
-def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp_path, monkeypatch,
-                                                                             transport, dram):
+def test_shared_entries_are_read_in_place_and_promoted_without_a_second_read(tmp_path, monkeypatch, transport, dram):
     fs = SubclassedFS() if transport == "file-object" else None
     s = shared_store(tmp_path, fs, dram)
     n = PIECE_BYTES * 3 + 5
@@ -301,7 +302,7 @@ def test_a_shared_read_writes_nothing_once_its_load_has_ended():
     t = threading.Thread(target=lambda: done.append(_catch(lambda: staged.readinto(view, 0))))
     t.start()
     assert reader.waiting.wait(10)
-    writers.close()        # returns at once: the hung read holds no writer slot
+    writers.close()  # returns at once: the hung read holds no writer slot
     reader.go.set()
     t.join(10)
     assert isinstance(done[0], LoadEnded) and not any(view)
@@ -327,8 +328,8 @@ def test_a_shared_read_past_the_tier_deadline_is_a_miss_and_writes_nothing_after
     t0 = time.monotonic()
     assert s.get_into(key, place, writers) is None
     assert time.monotonic() - t0 < 5 and s.stats.tiers["shared"].timeouts == 1
-    writers.close()        # the load ends (its blocks are recomputed)
-    blocking[0].go.set()   # the read wakes up, too late
+    writers.close()  # the load ends (its blocks are recomputed)
+    blocking[0].go.set()  # the read wakes up, too late
     assert finished.wait(10)  # and ends on the tier's thread
     assert not any(buf)
     s.close()

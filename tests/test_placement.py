@@ -11,8 +11,14 @@ DRAM_DISK = Layout((100, 1000))
 
 
 def victims(layout, tier, *keys, pinned=(), below=(), shared=()):
-    return place_victims(layout, tier, Decision(victims=keys), pinned=lambda k: k in pinned,
-                         below_holds=lambda k: k in below, to_shared=lambda k: k in shared)
+    return place_victims(
+        layout,
+        tier,
+        Decision(victims=keys),
+        pinned=lambda k: k in pinned,
+        below_holds=lambda k: k in below,
+        to_shared=lambda k: k in shared,
+    )
 
 
 def test_a_policy_returns_its_decisions_as_data():
@@ -21,9 +27,9 @@ def test_a_policy_returns_its_decisions_as_data():
     for k in "abc":
         p.insert(k, None, 1)
     p.touch("a")
-    assert p.evict_next() == Decision(victims=("b",)) and "b" not in p   # forgotten by the policy
+    assert p.evict_next() == Decision(victims=("b",)) and "b" not in p  # forgotten by the policy
     assert p.evict_next().victims == ("c",) and p.evict_next().victims == ("a",)
-    assert p.evict_next() == Decision(victims=())                         # nothing left
+    assert p.evict_next() == Decision(victims=())  # nothing left
 
 
 class Refusing(LRUPolicy):
@@ -50,17 +56,17 @@ def test_victims_of_the_last_local_tier_are_published_or_dropped():
 
 def test_a_new_entry_goes_to_the_top_tier_that_can_hold_it():
     assert place_new(DRAM_DISK, "k", 50, holder=None, publish=False) == Plan(write=0)
-    assert place_new(DRAM_DISK, "k", 500, holder=None, publish=False) == Plan(write=1)    # too big for DRAM
+    assert place_new(DRAM_DISK, "k", 500, holder=None, publish=False) == Plan(write=1)  # too big for DRAM
     assert place_new(DRAM_DISK, "k", 5000, holder=None, publish=False) == Plan(refuse=1)  # too big for all
-    assert place_new(DRAM_DISK, "k", 50, holder=1, publish=False) == Plan(seen=1)        # computed again
+    assert place_new(DRAM_DISK, "k", 50, holder=1, publish=False) == Plan(seen=1)  # computed again
     assert place_new(DRAM_DISK_SHARED, "k", 50, holder=None, publish=True) == Plan(write=0, publish=("k",))
-    assert place_new(DRAM_DISK, "k", 50, holder=None, publish=True) == Plan(write=0)      # nowhere to publish
+    assert place_new(DRAM_DISK, "k", 50, holder=None, publish=True) == Plan(write=0)  # nowhere to publish
     assert place_new(Layout((), shared=True), "k", 50, holder=None, publish=False) == Plan(publish=("k",))
 
 
 def test_a_hit_promotes_to_a_higher_tier_and_publishes_what_is_reused():
     assert place_hit(DRAM_DISK_SHARED, 1, "k", 50, reused=False, promote=True) == Plan(write=0)
-    assert place_hit(DRAM_DISK_SHARED, 1, "k", 500, reused=False, promote=True) == Plan()   # DRAM too small
+    assert place_hit(DRAM_DISK_SHARED, 1, "k", 500, reused=False, promote=True) == Plan()  # DRAM too small
     assert place_hit(DRAM_DISK_SHARED, 0, "k", 50, reused=True, promote=True) == Plan(publish=("k",))
     assert place_hit(DRAM_DISK_SHARED, 2, "k", 50, reused=True, promote=True) == Plan(write=0)  # from shared
     assert place_hit(DRAM_DISK_SHARED, 1, "k", 50, reused=False, promote=False) == Plan()
@@ -68,5 +74,5 @@ def test_a_hit_promotes_to_a_higher_tier_and_publishes_what_is_reused():
 
 def test_when_only_pinned_entries_are_left_the_oldest_moves_down():
     assert place_pinned(DRAM_DISK, 0, ["p", "q"]) == Plan(demote=(("p", 1),))
-    assert place_pinned(DRAM_DISK, 1, ["p"]) == Plan()   # the last local tier: no room
+    assert place_pinned(DRAM_DISK, 1, ["p"]) == Plan()  # the last local tier: no room
     assert place_pinned(DRAM_DISK, 0, []) == Plan()

@@ -51,10 +51,10 @@ def tree_trace(seed: int, n: int = 400, docs: int = 12, max_len: int = 8) -> Lis
     out: List[Request] = []
     for i in range(n):
         if rng.random() < 0.35:
-            ids = fresh(rng.randint(1, max_len))            # one-off
+            ids = fresh(rng.randint(1, max_len))  # one-off
         else:
             d = rng.choices(range(docs), weights)[0]
-            ids = system + doc_blocks[d] + fresh(1)         # shared prefix + question
+            ids = system + doc_blocks[d] + fresh(1)  # shared prefix + question
         out.append(Request(float(i), 512 * len(ids), tuple(ids)))
     return out
 
@@ -316,7 +316,7 @@ def test_evicts_chain_tails_before_shared_roots():
     _fill(p, [[1, 2, 3], [10, 11]])
     for k in (1, 2, 3):
         p.touch(k)
-    p.insert(4, 1, 1)   # second child of the shared root
+    p.insert(4, 1, 1)  # second child of the shared root
     order = []
     while len(p):
         v = p.victim()
@@ -342,11 +342,11 @@ def _admission_expert(cap: int) -> PrefixLRU:
 def test_admission_expert_refuses_the_rest_of_a_refused_chain_but_not_other_orphans():
     p = _admission_expert(10)
     _fill(p, [[k] for k in range(10)])
-    assert not p.admit(1000, None, 1)         # full: a first sighting is refused
-    assert not p.admit(1001, 1000, 1)         # its child could never be hit here
-    assert not p.admit(1002, 1001, 1)         # nor its grandchild
+    assert not p.admit(1000, None, 1)  # full: a first sighting is refused
+    assert not p.admit(1001, 1000, 1)  # its child could never be hit here
+    assert not p.admit(1002, 1001, 1)  # nor its grandchild
     p.admit(5000, None, 1)
-    assert p.admit(5000, 4999, 1)             # seen before, parent in another tier
+    assert p.admit(5000, 4999, 1)  # seen before, parent in another tier
 
 
 def test_admission_expert_refuses_one_off_keys_once_full():
@@ -354,14 +354,14 @@ def test_admission_expert_refuses_one_off_keys_once_full():
     refuses a key it has seen before."""
     cap = 50
     p = _admission_expert(cap)
-    hot = [list(range(i * 5, i * 5 + 5)) for i in range(10)]          # 50 blocks
+    hot = [list(range(i * 5, i * 5 + 5)) for i in range(10)]  # 50 blocks
     _fill(p, hot)
     outcomes = []
     nxt = 10_000
     for rnd in range(40):
-        for chain in hot[: 3 + rnd % 7]:                                # hot reuse
+        for chain in hot[: 3 + rnd % 7]:  # hot reuse
             serve(p, chain, cap)
-        for _ in range(4):                                              # one-off chains
+        for _ in range(4):  # one-off chains
             outcomes += serve(p, range(nxt, nxt + 3), cap)[1]
             nxt += 3
     assert outcomes.count(Offer.REFUSED) > 0.25 * len(outcomes)
@@ -374,12 +374,12 @@ def test_a_chunk_whose_parent_was_evicted_for_it_goes_first_and_ends_its_chain()
     _fill(p, [[1, 2]])
     assert p.admit(3, 2, 1)
     v = p.victim()
-    assert v == 2                             # the chain tail: the only leaf
+    assert v == 2  # the chain tail: the only leaf
     p.remove(v)
-    p.insert(3, 2, 1)                         # its parent is gone: worthless here
+    p.insert(3, 2, 1)  # its parent is gone: worthless here
     assert p.victim() == 3
     p.remove(3)
-    assert not p.admit(4, 3, 1)               # and so is the rest of the chain
+    assert not p.admit(4, 3, 1)  # and so is the rest of the chain
 
 
 @pytest.mark.parametrize("compact, classic", [(ARC, ARCPolicy), (S3FIFO, S3FIFOPolicy)])
@@ -429,7 +429,7 @@ def test_sampled_experts_stay_small_and_the_tier_still_follows_the_evidence():
     panel = p.panel
     assert panel.rate <= 1 / 4 and panel.scap <= 128
     assert all(len(e) <= panel.scap for e in panel.experts)
-    for e in panel.experts:                   # thinned: only sampled keys (stored + 1)
+    for e in panel.experts:  # thinned: only sampled keys (stored + 1)
         assert all(k <= panel.limit for k in e.slot_keys()), e.name
     assert p.switches >= 1 and p.leader != "prefix-lru" and len(p) <= cap
     best = max(replay(trace, make_policy(n), cap).token_hit_ratio for n in ("lru", "arc", "s3fifo"))
@@ -442,11 +442,11 @@ def test_hint_protects_present_keys_until_touched():
     cap = 20
     _fill(p, [[k] for k in range(cap)])
     assert p.victim() is not None
-    protected = [0, 1, 2]                     # the oldest: first in line otherwise
+    protected = [0, 1, 2]  # the oldest: first in line otherwise
     p.hint_upcoming(protected)
     nxt = 100
     for _ in range(cap // 2):
-        p.admit(nxt, None, 1)                 # seen before: passes the admission gate
+        p.admit(nxt, None, 1)  # seen before: passes the admission gate
         if p.admit(nxt, None, 1):
             while len(p) >= cap:
                 v = p.victim()
@@ -455,8 +455,8 @@ def test_hint_protects_present_keys_until_touched():
             p.insert(nxt, None, 1)
         nxt += 1
     assert all(k in p for k in protected)
-    p.touch(0)                                # the queued request came: no longer pinned
-    p.hint_upcoming([])                       # queue is empty now: nothing pinned
+    p.touch(0)  # the queued request came: no longer pinned
+    p.hint_upcoming([])  # queue is empty now: nothing pinned
     for _ in range(3 * cap):
         p.admit(nxt, None, 1)
         if p.admit(nxt, None, 1):
@@ -472,7 +472,7 @@ def test_everything_protected_still_yields_a_victim():
     _fill(p, [[1, 2, 3], [4, 5]])
     p.hint_upcoming([1, 2, 3, 4, 5])
     v = p.victim()
-    assert v in (3, 5)                        # a leaf, never an ancestor
+    assert v in (3, 5)  # a leaf, never an ancestor
     p.remove(v)
     assert len(p) == 4
 
@@ -492,8 +492,8 @@ def test_upper_tier_takes_everything_and_keeps_chains_across_tiers():
             p.remove(v)
         p.insert(k, parent, 1)
         parent = k
-    assert len(demoted) == 4 and len(p) == cap and 7 in p     # every chunk taken in
-    for k in range(100, 300):                 # a flood of first sightings: all admitted
+    assert len(demoted) == 4 and len(p) == cap and 7 in p  # every chunk taken in
+    for k in range(100, 300):  # a flood of first sightings: all admitted
         assert p.admit(k, None, 1)
         while len(p) >= cap:
             p.remove(p.victim())
@@ -503,7 +503,7 @@ def test_upper_tier_takes_everything_and_keeps_chains_across_tiers():
 def test_demoted_tail_whose_parent_is_in_a_faster_tier():
     """A lower tier receives chain tails first; they are stored as roots here."""
     p = PrefixAdaptivePolicy()
-    p.insert(3, 2, 1)                         # 2 lives in the tier above
+    p.insert(3, 2, 1)  # 2 lives in the tier above
     p.insert(2, 1, 1)
     assert len(p) == 2
     assert p.victim() in (2, 3)
@@ -512,7 +512,7 @@ def test_demoted_tail_whose_parent_is_in_a_faster_tier():
 def test_external_removal_of_an_inner_chunk():
     p = PrefixAdaptivePolicy()
     _fill(p, [[1, 2, 3]])
-    p.remove(2)                               # vanished behind our back (shared tier)
+    p.remove(2)  # vanished behind our back (shared tier)
     assert len(p) == 2
     seen = set()
     while len(p):
@@ -521,7 +521,7 @@ def test_external_removal_of_an_inner_chunk():
         seen.add(v)
         p.remove(v)
     assert seen == {1, 3}
-    _fill(p, [[4, 5]])                        # slots are reused cleanly
+    _fill(p, [[4, 5]])  # slots are reused cleanly
     assert p.victim() == 5
 
 
@@ -531,8 +531,10 @@ def test_memory_fits_ten_million_chunks_in_under_1_6_gib():
     the tier's index, one full-scale policy and the sketch; the experts a fixed amount."""
     per_chunk, fixed = adaptive_cost()
     total = per_chunk * 10_000_000 + fixed
-    print(f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk + {fixed / 2**20:.0f} MiB "
-          f"of experts -> {total / 2**30:.2f} GiB for 10 million")
+    print(
+        f"prefix-adaptive: {per_chunk:.0f} bytes per tracked chunk + {fixed / 2**20:.0f} MiB "
+        f"of experts -> {total / 2**30:.2f} GiB for 10 million"
+    )
     assert total < 1.6 * 2**30
 
 
@@ -550,10 +552,10 @@ def test_a_switch_undone_within_its_window_doubles_the_evidence_the_next_needs()
         return panel.weigh()
 
     assert panel.lead == 0
-    assert batch({1: 8})                                 # arc leads by 8 hits: switch
+    assert batch({1: 8})  # arc leads by 8 hits: switch
     assert panel.lead == 1 and panel.backoff == 1
-    assert batch({0: 30})                                # prefix LRU wins it back at once
-    assert panel.lead == 0 and panel.backoff == 2        # undone within its window
-    while panel.backoff > 1:                             # a stable stretch halves it back
+    assert batch({0: 30})  # prefix LRU wins it back at once
+    assert panel.lead == 0 and panel.backoff == 2  # undone within its window
+    while panel.backoff > 1:  # a stable stretch halves it back
         assert not batch({})
     assert panel.lead == 0 and panel.switches == 2

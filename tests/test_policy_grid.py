@@ -23,14 +23,13 @@ FRACTIONS = (0.02, 0.10)
 def test_workloads_are_seeded_prefix_trees():
     for name in WORKLOADS:
         a, b = generate(name, 3, 0.02), generate(name, 3, 0.02)
-        assert a == b and len(a) > 20, name                  # same seed, same requests
+        assert a == b and len(a) > 20, name  # same seed, same requests
         assert generate(name, 4, 0.02) != a, name
         parent = {}
         for r in a:
             assert r.input_length <= 512 * len(r.hash_ids)
-            for i, k in enumerate(r.hash_ids):               # equal id, equal prefix
-                assert parent.setdefault(k, r.hash_ids[i - 1] if i else None) == (
-                    r.hash_ids[i - 1] if i else None)
+            for i, k in enumerate(r.hash_ids):  # equal id, equal prefix
+                assert parent.setdefault(k, r.hash_ids[i - 1] if i else None) == (r.hash_ids[i - 1] if i else None)
         assert [r.timestamp for r in a] == sorted(r.timestamp for r in a)
 
 
@@ -38,8 +37,10 @@ def test_reduced_grid_prefix_adaptive_never_far_below_the_best_classic():
     t0 = time.perf_counter()
     cells = grid_rows(workload_traces(REDUCED_SCALE), FRACTIONS, CLASSICS + (DEFAULT_POLICY,))
     worst = min(cells, key=lambda c: c.margin())
-    print(f"reduced grid: {len(cells)} cells in {time.perf_counter() - t0:.1f}s, worst margin "
-          f"{worst.margin():+.4f} ({worst.workload} at {worst.fraction:.0%})")
+    print(
+        f"reduced grid: {len(cells)} cells in {time.perf_counter() - t0:.1f}s, worst margin "
+        f"{worst.margin():+.4f} ({worst.workload} at {worst.fraction:.0%})"
+    )
     assert len(cells) == len(WORKLOADS) * len(FRACTIONS)
     for c in cells:
         assert c.margin() >= -0.02, (c.workload, c.fraction, c.ratio)

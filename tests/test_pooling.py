@@ -16,8 +16,9 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
-    srv = start_server(tmp_path_factory.mktemp("pooling"), model_path,
-                       {"SM_VLLM_RUNNER": "pooling", "SM_VLLM_CONVERT": "embed"})
+    srv = start_server(
+        tmp_path_factory.mktemp("pooling"), model_path, {"SM_VLLM_RUNNER": "pooling", "SM_VLLM_CONVERT": "embed"}
+    )
     try:
         yield srv
     finally:

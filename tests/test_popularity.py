@@ -54,7 +54,7 @@ def test_counts_age_by_half_each_half_life_and_parents_count_at_least_their_chil
     a, b = chain(3, 0), chain(2, 1000)
     for _ in range(4):
         pop.observe(a)
-    pop.observe(a[:1])           # a shorter prompt: only the first chunk
+    pop.observe(a[:1])  # a shorter prompt: only the first chunk
     clock.t += HALF_LIFE_S
     pop.observe(b)
     got = scores(pop.top())
@@ -72,11 +72,11 @@ def test_counting_is_bounded_and_forgets_the_least_used_first():
     hot = chain(2, 0)
     for _ in range(3):
         pop.observe(hot)
-    for seed in range(1, 20):            # one-off prompts, one chunk each
+    for seed in range(1, 20):  # one-off prompts, one chunk each
         pop.observe(chain(1, seed * 100))
     assert len(pop) <= 2 * 4
     kept = {h.key for h in pop.top()}
-    assert {c.key for c in hot} <= kept   # the reused chain survives the churn, parent included
+    assert {c.key for c in hot} <= kept  # the reused chain survives the churn, parent included
 
 
 def test_weights_are_rebased_without_changing_the_counts():
@@ -84,9 +84,9 @@ def test_weights_are_rebased_without_changing_the_counts():
     pop = Popularity(half_life_s=1.0, clock=clock)
     a = chain(1, 0)
     pop.observe(a)
-    clock.t += 50                          # 2**50: past the rebase point
+    clock.t += 50  # 2**50: past the rebase point
     pop.observe(a)
-    assert scores(pop.top())[a[0].key] == pytest.approx(1.0 + 2.0 ** -50)
+    assert scores(pop.top())[a[0].key] == pytest.approx(1.0 + 2.0**-50)
 
 
 # -- the note format ----------------------------------------------------------------------
@@ -96,13 +96,17 @@ def test_a_note_round_trips_and_damaged_ones_are_refused():
     note = decode_note(encode_note(entries, "node-a", 123.0))
     assert note == Note("node-a", 123.0, tuple(entries))
     good = json.loads(encode_note(entries, "node-a", 123.0))
-    for bad in (b"not json", b"[]", json.dumps({**good, "format": 2}).encode(),
-                json.dumps({**good, "written": "yesterday"}).encode(),
-                json.dumps({**good, "entries": [["xyz", "", 1.0, 0]]}).encode(),
-                json.dumps({**good, "entries": [[a[0].key, "", -1.0, 0]]}).encode(),
-                json.dumps({**good, "entries": [[a[0].key, "", 1.0, True]]}).encode(),
-                json.dumps({**good, "entries": [[a[0].key, "", 1.0]]}).encode(),
-                json.dumps({**good, "entries": [[a[0].key, "", 1.0, 0]] * 20000}).encode()):
+    for bad in (
+        b"not json",
+        b"[]",
+        json.dumps({**good, "format": 2}).encode(),
+        json.dumps({**good, "written": "yesterday"}).encode(),
+        json.dumps({**good, "entries": [["xyz", "", 1.0, 0]]}).encode(),
+        json.dumps({**good, "entries": [[a[0].key, "", -1.0, 0]]}).encode(),
+        json.dumps({**good, "entries": [[a[0].key, "", 1.0, True]]}).encode(),
+        json.dumps({**good, "entries": [[a[0].key, "", 1.0]]}).encode(),
+        json.dumps({**good, "entries": [[a[0].key, "", 1.0, 0]] * 20000}).encode(),
+    ):
         with pytest.raises(ValueError):
             decode_note(bad)
 
@@ -127,7 +131,7 @@ def test_hottest_sums_the_nodes_ages_their_notes_and_keeps_prefixes_whole():
     ranked = hottest(notes, now)
     got = [h.key for h in ranked]
     assert scores(ranked)[a[0].key] == pytest.approx(5.0) and scores(ranked)[b[0].key] == pytest.approx(4.0)
-    assert "ab" * 16 not in got                       # its prefix is nowhere: never warmable
+    assert "ab" * 16 not in got  # its prefix is nowhere: never warmable
     assert got.index(c[0].key) < got.index(c[1].key)  # the parent first, whatever the counts
     assert got == [c[0].key, c[1].key, a[0].key, a[1].key, b[0].key, b[1].key]
 
@@ -138,7 +142,7 @@ def test_the_publisher_writes_one_note_per_rank_only_when_counts_change(tmp_path
     ranks = [remote(tmp_path / "l3", namespace=ns) for ns in ("ns0", "ns1")]
     pop = Popularity(clock=clock)
     pub = Publisher(pop, ranks, node="node/a", clock=clock)
-    assert not pub.publish()                            # nothing counted yet
+    assert not pub.publish()  # nothing counted yet
     a = chain(2, 0)
     pop.observe(a)
     assert pub.publish()
@@ -146,7 +150,7 @@ def test_the_publisher_writes_one_note_per_rank_only_when_counts_change(tmp_path
         assert [n for n, _s, _m in list_notes(tier)] == ["node_a.json"]
         got = decode_note(read_note(tier, "node_a.json"))
         assert got.node == "node/a" and [h.key for h in got.entries] == [c.key for c in a]
-    assert not pub.publish()                            # unchanged
+    assert not pub.publish()  # unchanged
     # the entries' listing of the tier is not confused by the note folder
     assert list(ranks[0].scan()) == []
 
@@ -168,7 +172,7 @@ def test_a_restarted_node_takes_over_its_earlier_note_and_expired_notes_are_remo
     again = Popularity(clock=clock)
     pub = Publisher(again, [tier], node="node-a", clock=clock)
     pub.seed()
-    assert scores(again.top())[a[0].key] == pytest.approx(1.5)   # 3 uses, an hour ago
+    assert scores(again.top())[a[0].key] == pytest.approx(1.5)  # 3 uses, an hour ago
     b = chain(1, 700)
     again.observe(b)
     assert pub.publish()

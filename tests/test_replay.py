@@ -93,13 +93,24 @@ def test_cli_json(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     for policy in ("lru", "belady", "rate-oracle", "span-oracle", "ours", DEFAULT_POLICY):
         out = subprocess.run(
-            [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-blocks", "10",
-             "--policy", policy, "--json"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                "-m",
+                "cache.tools.replay",
+                str(trace),
+                "--capacity-blocks",
+                "10",
+                "--policy",
+                policy,
+                "--json",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         obj = json.loads(out)
-        for key in ("token_hit_ratio", "policy", "capacity_blocks", "requests",
-                    "hit_tokens", "prompt_tokens"):
+        for key in ("token_hit_ratio", "policy", "capacity_blocks", "requests", "hit_tokens", "prompt_tokens"):
             assert key in obj
         assert obj["requests"] == 4 and obj["capacity_blocks"] == 10
         assert obj["token_hit_ratio"] == pytest.approx(2024 / 4300)
@@ -108,17 +119,32 @@ def test_cli_json(tmp_path):
 def test_cli_default_policy_fraction_and_hints(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     out = subprocess.run(
-        [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-fraction", "0.5",
-         "--hint-window-ms", "10", "--json"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "cache.tools.replay",
+            str(trace),
+            "--capacity-fraction",
+            "0.5",
+            "--hint-window-ms",
+            "10",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     obj = json.loads(out)
     assert obj["policy"] == DEFAULT_POLICY
-    assert obj["capacity_blocks"] == 2          # half of 5 distinct blocks, rounded down
+    assert obj["capacity_blocks"] == 2  # half of 5 distinct blocks, rounded down
     assert obj["hint_window_ms"] == 10
     text = subprocess.run(
         [sys.executable, "-m", "cache.tools.replay", str(trace), "--capacity-blocks", "3"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "token_hit_ratio=" in text
 
@@ -155,8 +181,7 @@ def test_real_trace_reference_numbers():
     lru = run(reqs, "lru", 878).token_hit_ratio
     assert lru == pytest.approx(0.0773, abs=5e-4)
     ours = run(reqs, DEFAULT_POLICY, 878).token_hit_ratio
-    assert ours >= max(lru, run(reqs, "arc", 878).token_hit_ratio,
-                       run(reqs, "s3fifo", 878).token_hit_ratio)
+    assert ours >= max(lru, run(reqs, "arc", 878).token_hit_ratio, run(reqs, "s3fifo", 878).token_hit_ratio)
 
 
 def _reuse_trace(gaps: List[int]) -> List[Request]:
@@ -182,4 +207,4 @@ def test_reuse_regularity_tells_memoryless_from_regular_and_bursty_reuse():
     assert reuse_regularity(_reuse_trace([10] * 50))["median_gap_cv"] == 0.0
     bursty = reuse_regularity(_reuse_trace(([1] * 20 + [200] * 5) * 20))
     assert bursty["median_gap_cv"] > 1.5 and bursty["lag1_log_gap_corr"] > 0.5
-    assert reuse_regularity(_reuse_trace([5] * 3))["blocks"] == 0   # fewer uses than min_uses
+    assert reuse_regularity(_reuse_trace([5] * 3))["blocks"] == 0  # fewer uses than min_uses

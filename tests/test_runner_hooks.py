@@ -60,8 +60,10 @@ class V1:
     def step(self, so, forward=lambda: None, vllm_writes=lambda: None):
         self.conn.handle_preemptions(so.kv_connector_metadata)
         vllm_writes()  # _update_states
-        with set_forward_context(None, self.config), \
-                v1_hooks.KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as out:
+        with (
+            set_forward_context(None, self.config),
+            v1_hooks.KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as out,
+        ):
             forward()
         return out
 
@@ -102,8 +104,9 @@ def engine(request, tmp_path, monkeypatch, bare_config):
 
 
 def so(meta=None, sync=False):
-    return SimpleNamespace(kv_connector_metadata=meta or TieredKVMetadata(), has_sync_kv_loads=sync,
-                           finished_req_ids=set())
+    return SimpleNamespace(
+        kv_connector_metadata=meta or TieredKVMetadata(), has_sync_kv_loads=sync, finished_req_ids=set()
+    )
 
 
 def until(engine, done, timeout=120.0):
@@ -122,8 +125,10 @@ def until(engine, done, timeout=120.0):
 def thread_stacks() -> str:
     """Every thread's stack, for a wait that timed out: where a load is stuck."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    return "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
-                     for ident, frame in sys._current_frames().items())  # noqa: SLF001
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()  # noqa: SLF001
+    )
 
 
 def blocks(engine, ids):
@@ -132,6 +137,7 @@ def blocks(engine, ids):
 
 def save_computed_chunk(engine):
     """A step whose forward pass writes blocks 0-1 and whose metadata saves them."""
+
     def forward():
         for t in engine.caches.values():
             t[0:2] = 7.0
@@ -149,8 +155,9 @@ def test_a_save_takes_what_the_forward_pass_wrote(engine):
     def forward():  # a DRAM hit: in its blocks before the forward pass reads them
         assert all(torch.equal(t[4:6], torch.full_like(t[4:6], 7.0)) for t in engine.caches.values())
 
-    out = engine.runner.step(so(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]),
-                                sync=True), forward)
+    out = engine.runner.step(
+        so(TieredKVMetadata(loads=[LoadRequest("r", [ChunkIO(KEY, None, [4, 5])], False)]), sync=True), forward
+    )
     assert not out.invalid_block_ids
 
 
@@ -172,6 +179,7 @@ def test_an_asynchronous_load_is_reported_once_when_done(engine, monkeypatch, lo
             while any(t.name == "kvcache-load-a" for t in threading.enumerate()) and time.monotonic() < end:
                 time.sleep(0.001)
             return ask(finished)
+
         monkeypatch.setattr(engine.conn, "get_transfer_results", after_the_load)
     load = LoadRequest("a", [ChunkIO(KEY, None, [8, 9])], True)
     first = engine.runner.step(so(TieredKVMetadata(loads=[load])))  # started after the forward pass
@@ -219,14 +227,18 @@ def test_the_runner_code_replayed_here_is_where_these_tests_put_it():
     from vllm.v1.worker.gpu import model_runner as v2_runner
 
     v1 = inspect.getsource(v1_runner.GPUModelRunner.execute_model)
-    assert v1.index("handle_preemptions(") < v1.index("self._update_states(") < v1.index(
-        "maybe_get_kv_connector_output(")
+    assert (
+        v1.index("handle_preemptions(") < v1.index("self._update_states(") < v1.index("maybe_get_kv_connector_output(")
+    )
     # vLLM's own runner code: where it writes KV blocks, which the fence must precede
     v1_writes = inspect.getsource(v1_runner.GPUModelRunner._update_states)  # noqa: SLF001
     assert "_zero_block_ids(" in v1_writes and "copy_kv_cache_blocks_inplace(" in v1_writes
     v2 = inspect.getsource(v2_runner.GPUModelRunner.execute_model)
-    assert v2.index("self.update_requests(") < v2.index("kv_connector.pre_forward(") < v2.index(
-        "kv_connector.finish_forward(")
+    assert (
+        v2.index("self.update_requests(")
+        < v2.index("kv_connector.pre_forward(")
+        < v2.index("kv_connector.finish_forward(")
+    )
     v2_writes = inspect.getsource(v2_runner.GPUModelRunner.update_requests)
     assert "zero_block_ids(" in v2_writes and "copy_kv_cache_blocks_inplace(" in v2_writes
     sample = inspect.getsource(v2_runner.GPUModelRunner.sample_tokens)

@@ -52,41 +52,63 @@ def test_shapes():
 
 
 def test_tgi_translation():
-    req = parse_tgi({"inputs": "hi", "stream": True, "parameters": {
-        "max_new_tokens": 7, "do_sample": False, "stop": ["\n"], "stop_sequences": ["END"],
-        "top_n_tokens": 2, "seed": 3, "truncate": 100, "return_full_text": True}})
+    req = parse_tgi(
+        {
+            "inputs": "hi",
+            "stream": True,
+            "parameters": {
+                "max_new_tokens": 7,
+                "do_sample": False,
+                "stop": ["\n"],
+                "stop_sequences": ["END"],
+                "top_n_tokens": 2,
+                "seed": 3,
+                "truncate": 100,
+                "return_full_text": True,
+            },
+        }
+    )
     body = tgi_to_completion(req, "m")
     assert body["max_tokens"] == 7 and body["temperature"] == 0.0 and body["stop"] == ["\n", "END"]
     assert body["logprobs"] == 2 and body["seed"] == 3 and body["truncate_prompt_tokens"] == 100
     assert body["return_token_ids"] and body["stream"] and body["model"] == "m"
-    salted = tgi_to_completion(parse_tgi({"inputs": "hi", "model": "adapter-1",
-                                          "parameters": {"cache_salt": "tenant-a"}}), "m")
+    salted = tgi_to_completion(
+        parse_tgi({"inputs": "hi", "model": "adapter-1", "parameters": {"cache_salt": "tenant-a"}}), "m"
+    )
     assert salted["cache_salt"] == "tenant-a" and salted["model"] == "adapter-1"
     assert "cache_salt" not in tgi_to_completion(parse_tgi({"inputs": "hi"}), "m")
-    for bad in ({"inputs": 5}, {"inputs": ""}, {"inputs": "x", "parameters": {"temperature": -1}},
-                {"inputs": "x", "parameters": {"max_new_tokens": 0}},
-                {"inputs": "x", "parameters": {"typical_p": 0.5}}, {"inputs": "x", "extra": 1},
-                {"inputs": "x", "parameters": {"cache_salt": ""}}):
+    for bad in (
+        {"inputs": 5},
+        {"inputs": ""},
+        {"inputs": "x", "parameters": {"temperature": -1}},
+        {"inputs": "x", "parameters": {"max_new_tokens": 0}},
+        {"inputs": "x", "parameters": {"typical_p": 0.5}},
+        {"inputs": "x", "extra": 1},
+        {"inputs": "x", "parameters": {"cache_salt": ""}},
+    ):
         with pytest.raises(ValidationError):
             parse_tgi(bad)
 
 
 def test_tgi_stream_holds_back_the_last_event():
     conv = TgiStream(parse_tgi({"inputs": "x", "stream": True}))
-    chunks = ['data: {"choices":[{"text":"a","token_ids":[1],"logprobs":{"tokens":["a"],'
-              '"token_logprobs":[-0.5]}}]}\n\n',
-              'data: {"choices":[{"text":"b","token_ids":[2],"finish_reason":"length",'
-              '"logprobs":{"tokens":["b"],"token_logprobs":[-0.25]}}]}\n\n', "data: [DONE]\n\n"]
+    chunks = [
+        'data: {"choices":[{"text":"a","token_ids":[1],"logprobs":{"tokens":["a"],"token_logprobs":[-0.5]}}]}\n\n',
+        'data: {"choices":[{"text":"b","token_ids":[2],"finish_reason":"length",'
+        '"logprobs":{"tokens":["b"],"token_logprobs":[-0.25]}}]}\n\n',
+        "data: [DONE]\n\n",
+    ]
     events = [e for c in chunks for e in conv.feed(c)] + list(conv.close())
-    parsed = [json.loads(e[len("data: "):]) for e in events]
+    parsed = [json.loads(e[len("data: ") :]) for e in events]
     assert [p["token"]["text"] for p in parsed] == ["a", "b"]
     assert parsed[0]["generated_text"] is None and parsed[-1]["generated_text"] == "ab"
     assert parsed[-1]["details"] == {"finish_reason": "length", "generated_tokens": 2, "seed": None}
 
 
 def test_outcome_names_the_slowest_tier():
-    o = RequestOutcome(prompt_tokens=1800, generated_tokens=3, cached_tokens=1408 + 256,
-                       loaded={"dram": 1024, "disk": 384})
+    o = RequestOutcome(
+        prompt_tokens=1800, generated_tokens=3, cached_tokens=1408 + 256, loaded={"dram": 1024, "disk": 384}
+    )
     assert o.slowest_source(("dram", "disk")) == "disk"
     assert RequestOutcome(10, 1, 5).slowest_source(("dram",)) == "vllm"
     assert RequestOutcome(10, 1, 0).slowest_source(("dram",)) == "none"
@@ -98,8 +120,9 @@ def test_our_metrics_are_only_what_vllm_and_the_connector_do_not_report():
     from serving.metrics import ServingMetrics
 
     m = ServingMetrics(2048, ("dram", "disk"))
-    m.observe(RequestOutcome(prompt_tokens=600, generated_tokens=4, cached_tokens=512, loaded={"dram": 512},
-                             ttft_s=0.1))
+    m.observe(
+        RequestOutcome(prompt_tokens=600, generated_tokens=4, cached_tokens=512, loaded={"dram": 512}, ttft_s=0.1)
+    )
     m.invocations.labels("tgi", "200").inc()
     text = generate_latest(m.registry).decode()
     assert 'kvcache_requests_total{prefix_source="dram"} 1.0' in text
@@ -109,8 +132,13 @@ def test_our_metrics_are_only_what_vllm_and_the_connector_do_not_report():
     assert 'sagemaker_invocations_total{shape="tgi",status="200"} 1.0' in text
     # Tier counters and prompt tokens by source are the connector's and vLLM's (kvcache:tier_*,
     # vllm:prompt_tokens_by_source), never repeated here; no energy without NVML.
-    for gone in ("kvcache_tier_", "kvcache_prefix_tokens", "kvcache_dropped_writes",
-                 "kvcache_generated_tokens", "kvcache_gpu_energy"):
+    for gone in (
+        "kvcache_tier_",
+        "kvcache_prefix_tokens",
+        "kvcache_dropped_writes",
+        "kvcache_generated_tokens",
+        "kvcache_gpu_energy",
+    ):
         assert gone not in text, gone
 
 
@@ -136,9 +164,12 @@ class Server:
         self.client = httpx.Client(base_url=url, timeout=120)
 
     def post(self, body, **kw) -> httpx.Response:
-        return self.client.post("/invocations", content=body if isinstance(body, (bytes, str))
-                                else json.dumps(body), headers={"Content-Type": "application/json",
-                                                                **kw.pop("headers", {})}, **kw)
+        return self.client.post(
+            "/invocations",
+            content=body if isinstance(body, (bytes, str)) else json.dumps(body),
+            headers={"Content-Type": "application/json", **kw.pop("headers", {})},
+            **kw,
+        )
 
     def metric(self, name: str, labels: str = "") -> float:
         text = self.client.get("/metrics").text
@@ -178,11 +209,20 @@ class Server:
 
 def _serve(env_extra: dict, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_"))}
-    env.update({"PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(_free_port()),
-                "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-                "KVCACHE_DRAM_SIZE": "64MiB", "KVCACHE_DISK_SIZE": "64MiB", **env_extra})
-    return subprocess.run([sys.executable, "-m", "serving"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "SAGEMAKER_BIND_TO_PORT": str(_free_port()),
+            "KVCACHE_DRAM_PATH": str(tmp / "dram"),
+            "KVCACHE_DISK_PATH": str(tmp / "disk"),
+            "KVCACHE_DRAM_SIZE": "64MiB",
+            "KVCACHE_DISK_SIZE": "64MiB",
+            **env_extra,
+        }
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "serving"], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bad_setting_exits_2_with_one_message(tmp_path, model_path):
@@ -221,17 +261,22 @@ def test_a_dead_engine_answers_in_flight_requests_503_and_the_server_exits_1(tmp
                     result.setdefault(name + "-first", True)
             result[name] = (r.status_code, events)
 
-    threads = [threading.Thread(target=plain),
-               threading.Thread(target=stream, args=("stream", {"prompt": "die stream", **long})),
-               threading.Thread(target=stream, args=("tgi", {"inputs": "die tgi", "parameters": {
-                   "max_new_tokens": 16000, "ignore_eos": True}}))]
+    threads = [
+        threading.Thread(target=plain),
+        threading.Thread(target=stream, args=("stream", {"prompt": "die stream", **long})),
+        threading.Thread(
+            target=stream,
+            args=("tgi", {"inputs": "die tgi", "parameters": {"max_new_tokens": 16000, "ignore_eos": True}}),
+        ),
+    ]
     family = psutil.Process(srv.proc.pid).children(recursive=True)
     try:
         for t in threads:
             t.start()
         deadline = time.monotonic() + 120
-        while not ("stream-first" in result and "tgi-first" in result
-                   and srv.metric("sagemaker_invocations_in_flight") >= 3):
+        while not (
+            "stream-first" in result and "tgi-first" in result and srv.metric("sagemaker_invocations_in_flight") >= 3
+        ):
             assert time.monotonic() < deadline and srv.proc.poll() is None, (result, srv.tail())
             time.sleep(0.1)
         core = [p for p in family if "EngineCore" in p.name()]
@@ -262,22 +307,35 @@ def start_server(tmp: Path, model_path: str, env_extra: dict) -> Server:
     once ``/ping`` says 200 (the process is left running: ``stop_server``)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGEMAKER_", "SM_", "KVCACHE_", "HF_", "OPTION_"))}
-    env.update({
-        "PYTHONPATH": str(REPO), "SAGEMAKER_BIND_TO_PORT": str(port), "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
-        "SERVING_DEFAULT_MODEL_DIR": model_path,   # the default model, generated once per session
-        "KVCACHE_DRAM_PATH": str(tmp / "dram"), "KVCACHE_DISK_PATH": str(tmp / "disk"),
-        # 31 chunks of the test model in DRAM: the module's traffic evicts, demotes, promotes
-        "KVCACHE_DRAM_SIZE": "16MiB", "KVCACHE_DISK_SIZE": "1GiB", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
-        "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
-        "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
-        **env_extra,
-    })
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "SAGEMAKER_BIND_TO_PORT": str(port),
+            "SAGEMAKER_BASE_DIR": str(tmp / "ml"),
+            "SERVING_DEFAULT_MODEL_DIR": model_path,  # the default model, generated once per session
+            "KVCACHE_DRAM_PATH": str(tmp / "dram"),
+            "KVCACHE_DISK_PATH": str(tmp / "disk"),
+            # 31 chunks of the test model in DRAM: the module's traffic evicts, demotes, promotes
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_SIZE": "1GiB",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "SM_VLLM_MAX_MODEL_LEN": "4096",
+            "SM_VLLM_ENFORCE_EAGER": "true",
+            "SM_VLLM_ENABLE_PREFIX_CACHING": "false",  # a repeated prompt must come from our tiers
+            "SAGEMAKER_SESSIONS_PATH": str(tmp / "sessions"),
+            **env_extra,
+        }
+    )
     log = tmp / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serving"], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: killable as a whole
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own group: killable as a whole
     url = f"http://127.0.0.1:{port}"
     pings: list[tuple[int, float]] = []
     srv = Server(proc, url, log, tmp, pings)
@@ -316,18 +374,23 @@ def server(tmp_path_factory, model_path):
     tmp = tmp_path_factory.mktemp("server")
     (tmp / "l3").mkdir()
     (tmp / "warm.jsonl").write_text(json.dumps({"prompt": WARM_PROMPT}) + "\n")
-    srv = start_server(tmp, model_path, {
-        "KVCACHE_SHARED_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
-        "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
-        # The SIGTERM test's client must ping and post inside the drain window even when
-        # this 2-core machine stalls it for seconds (seen: 5 s; once in CI over 12 s, which
-        # _while_draining tells apart from a server that stops early); its long requests ask
-        # for 16,000 tokens, far more than 12 s of decoding here (~100-200 tokens/s).
-        "SERVING_DRAIN_SECONDS": str(DRAIN_SECONDS), "SM_VLLM_MAX_MODEL_LEN": "16384",
-        # The tiny test model computes a prompt about as fast as it loads, so the cost
-        # model may rightly recompute; these tests are about what the tiers serve.
-        "KVCACHE_LOAD_DECISION": "always",
-    })
+    srv = start_server(
+        tmp,
+        model_path,
+        {
+            "KVCACHE_SHARED_URL": f"file://{tmp}/l3/kv",  # a shared tier, as a Curvine mount is seen
+            "KVCACHE_WARM_PROMPTS": str(tmp / "warm.jsonl"),  # warmed by an engine of its own first
+            # The SIGTERM test's client must ping and post inside the drain window even when
+            # this 2-core machine stalls it for seconds (seen: 5 s; once in CI over 12 s, which
+            # _while_draining tells apart from a server that stops early); its long requests ask
+            # for 16,000 tokens, far more than 12 s of decoding here (~100-200 tokens/s).
+            "SERVING_DRAIN_SECONDS": str(DRAIN_SECONDS),
+            "SM_VLLM_MAX_MODEL_LEN": "16384",
+            # The tiny test model computes a prompt about as fast as it loads, so the cost
+            # model may rightly recompute; these tests are about what the tiers serve.
+            "KVCACHE_LOAD_DECISION": "always",
+        },
+    )
     try:
         yield srv
     finally:
@@ -365,8 +428,12 @@ def test_ping_answers_fast_while_the_engine_is_busy(server):
 
 @engine
 def test_tgi_shape_with_details(server):
-    r = server.post({"inputs": "Hello world", "parameters": {"max_new_tokens": 4, "details": True,
-                                                             "top_n_tokens": 2, "do_sample": False}})
+    r = server.post(
+        {
+            "inputs": "Hello world",
+            "parameters": {"max_new_tokens": 4, "details": True, "top_n_tokens": 2, "do_sample": False},
+        }
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert isinstance(out["generated_text"], str)
@@ -380,9 +447,11 @@ def test_tgi_shape_with_details(server):
 
 @engine
 def test_tgi_stream(server):
-    with server.client.stream("POST", "/invocations", json={
-            "inputs": "Hello world", "stream": True,
-            "parameters": {"max_new_tokens": 5, "do_sample": False}}) as r:
+    with server.client.stream(
+        "POST",
+        "/invocations",
+        json={"inputs": "Hello world", "stream": True, "parameters": {"max_new_tokens": 5, "do_sample": False}},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
     assert len(events) == 5 and all(e["token"]["logprob"] <= 0 for e in events)
@@ -398,15 +467,15 @@ def test_openai_completion_and_logprobs_agree_with_tgi(server):
     choice = r.json()["choices"][0]
     lps = choice["logprobs"]["token_logprobs"]
     assert len(lps) == 4 and all(lp <= 0 for lp in lps)
-    tgi = server.post({"inputs": "Hello world", "parameters": {"max_new_tokens": 4, "do_sample": False,
-                                                                "details": True}}).json()
+    tgi = server.post(
+        {"inputs": "Hello world", "parameters": {"max_new_tokens": 4, "do_sample": False, "details": True}}
+    ).json()
     assert [t["logprob"] for t in tgi["details"]["tokens"]] == pytest.approx(lps, abs=1e-4)
 
 
 @engine
 def test_openai_completion_stream(server):
-    with server.client.stream("POST", "/invocations", json={"prompt": "Hello", "max_tokens": 4,
-                                                            "stream": True}) as r:
+    with server.client.stream("POST", "/invocations", json={"prompt": "Hello", "max_tokens": 4, "stream": True}) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
@@ -417,8 +486,9 @@ def test_openai_completion_stream(server):
 
 @engine
 def test_openai_chat_with_logprobs(server):
-    r = server.post({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                     "logprobs": True, "top_logprobs": 2})
+    r = server.post(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion"
@@ -428,8 +498,9 @@ def test_openai_chat_with_logprobs(server):
 
 @engine
 def test_openai_chat_stream(server):
-    with server.client.stream("POST", "/invocations", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as r:
+    with server.client.stream(
+        "POST", "/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    ) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
@@ -445,8 +516,7 @@ def test_stateful_session(server):
     assert "Expires=" in r.headers["X-Amzn-SageMaker-New-Session-Id"]
     r = server.post({"inputs": "turn one", "parameters": {"max_new_tokens": 2}}, headers={SESSION: sid})
     assert r.status_code == 200, r.text
-    r = server.post({"messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2},
-                    headers={SESSION: sid})
+    r = server.post({"messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2}, headers={SESSION: sid})
     assert r.status_code == 200, r.text
     # NEW_SESSION on an ordinary request is served as one (no session is opened)
     r = server.post({"prompt": "x", "max_tokens": 1}, headers={SESSION: "NEW_SESSION"})
@@ -462,49 +532,61 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 
 
 @engine
-@pytest.mark.parametrize("body,status,words", [
-    (b'{"inputs": "x",', 400, "malformed JSON"),
-    (b"", 400, "malformed JSON"),
-    (b"[1, 2]", 400, "JSON object"),
-    (b"[" * 1000 + b"]" * 1000, 400, "deep"),
-    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "digits"),
-    ({"nothing": 1}, 400, "unknown request shape"),
-    ({"inputs": 5}, 400, "inputs"),
-    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"messages": "hi"}, 400, "messages"),
-    ({"messages": 1.5}, 400, "not iterable"),
-    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
-    ({"prompt": "", "max_tokens": 1}, 400, "prompt"),
-    ({"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
-    ({**CHAT, "tool_choice": "auto"}, 400, "tools"),
-    ({**CHAT, "top_logprobs": 2}, 400, "logprobs"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
-    ({"prompt": "x", "prompt_logprobs": -5}, 400, "prompt_logprobs"),
-    ({**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema"),
-    ({**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, 400, "not a chat role"),
-    ({**CHAT, "n": 0}, 400, "n"),
-    ({"prompt": "x", "n": 1000}, 400, "SERVING_MAX_N"),
-    ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
-    ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
-    ({"inputs": "x", "parameters": {"cache_salt": ""}}, 400, "cache_salt"),
-    ({"messages": [{"role": "user", "content": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
-     400, "not a cache lifetime"),
-    ({"prompt": "x", "kv_transfer_params": {"kvcache_pin_ttl": -1}}, 400, "kvcache_pin_ttl"),
-    ({"prompt": "a" * 17000, "max_tokens": 4}, 400, "maximum context length"),
-    ({"inputs": "a" * 17000}, 400, "maximum context length"),
-    ({"inputs": "x", "parameters": {"top_k": int("9" * 64)}}, 400, "does not fit in 64 bits"),
-    ({"prompt": "x", "kv_transfer_params": {"kvcache_load": "false"}}, 400, "kvcache_load='false'"),
-    ({"prompt": "x", "kv_transfer_params": {"kvcache_save": 0}}, 400, "kvcache_save=0"),
-    ({"inputs": "x", "parameters": {"kv_transfer_params": {"k": [[0]]}}}, 400, "unknown key(s) 'k'"),
-    ({"prompt": "x", "vllm_xargs": {"kv_transfer_params": "x"}}, 400, "vllm_xargs"),
-    (b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),
-    ({"prompt": "x", "max_tokens": 3, "structured_outputs": {"grammar": "root ::= root"}}, 400,
-     "its grammar left no token"),
-    ({**CHAT, "max_tokens": 3, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}}, 400,
-     "its grammar left no token"),
-])
+@pytest.mark.parametrize(
+    "body,status,words",
+    [
+        (b'{"inputs": "x",', 400, "malformed JSON"),
+        (b"", 400, "malformed JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b"[" * 1000 + b"]" * 1000, 400, "deep"),
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "digits"),
+        ({"nothing": 1}, 400, "unknown request shape"),
+        ({"inputs": 5}, 400, "inputs"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"messages": 1.5}, 400, "not iterable"),
+        ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+        ({"prompt": "", "max_tokens": 1}, 400, "prompt"),
+        ({"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
+        ({**CHAT, "tool_choice": "auto"}, 400, "tools"),
+        ({**CHAT, "top_logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
+        ({"prompt": "x", "prompt_logprobs": -5}, 400, "prompt_logprobs"),
+        ({**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+        ({**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, 400, "not a chat role"),
+        ({**CHAT, "n": 0}, 400, "n"),
+        ({"prompt": "x", "n": 1000}, 400, "SERVING_MAX_N"),
+        ({"inputs": "x", "parameters": {"max_new_tokens": -5}}, 400, "max_new_tokens"),
+        ({"inputs": "x", "parameters": {"best_of": 2}}, 400, "best_of"),
+        ({"inputs": "x", "parameters": {"cache_salt": ""}}, 400, "cache_salt"),
+        (
+            {"messages": [{"role": "user", "content": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+            400,
+            "not a cache lifetime",
+        ),
+        ({"prompt": "x", "kv_transfer_params": {"kvcache_pin_ttl": -1}}, 400, "kvcache_pin_ttl"),
+        ({"prompt": "a" * 17000, "max_tokens": 4}, 400, "maximum context length"),
+        ({"inputs": "a" * 17000}, 400, "maximum context length"),
+        ({"inputs": "x", "parameters": {"top_k": int("9" * 64)}}, 400, "does not fit in 64 bits"),
+        ({"prompt": "x", "kv_transfer_params": {"kvcache_load": "false"}}, 400, "kvcache_load='false'"),
+        ({"prompt": "x", "kv_transfer_params": {"kvcache_save": 0}}, 400, "kvcache_save=0"),
+        ({"inputs": "x", "parameters": {"kv_transfer_params": {"k": [[0]]}}}, 400, "unknown key(s) 'k'"),
+        ({"prompt": "x", "vllm_xargs": {"kv_transfer_params": "x"}}, 400, "vllm_xargs"),
+        (b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),
+        (
+            {"prompt": "x", "max_tokens": 3, "structured_outputs": {"grammar": "root ::= root"}},
+            400,
+            "its grammar left no token",
+        ),
+        (
+            {**CHAT, "max_tokens": 3, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}},
+            400,
+            "its grammar left no token",
+        ),
+    ],
+)
 def test_bad_input_is_a_4xx_with_a_message(server, body, status, words):
     r = server.post(body)
     assert r.status_code == status, r.text
@@ -520,8 +602,7 @@ def test_the_engine_killer_in_every_encoding_is_a_400_and_the_engine_keeps_servi
 
     for encoding in ("utf-8",) + ENCODINGS:
         for path in ("/invocations", "/v1/completions", "/v1/chat/completions"):
-            r = server.client.post(path, content=engine_killer(encoding),
-                                   headers={"Content-Type": "application/json"})
+            r = server.client.post(path, content=engine_killer(encoding), headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["code"] == 400, (encoding, path, r.text)
         deep = ('{"prompt": "x", "stop": ' + "[" * 5000 + "]" * 5000 + "}").encode(encoding)
         assert server.post(deep).status_code == 400
@@ -552,8 +633,7 @@ def test_a_grammar_that_admits_no_token_is_a_400_streamed_or_not(server):
 @engine
 def test_bad_stream_is_refused_before_its_200_and_every_status_is_counted(server):
     before = server.metric("sagemaker_invocations_total", 'shape="completion",status="400"')
-    with server.client.stream("POST", "/invocations", json={"prompt": "x", "stream": True,
-                                                            "logprobs": 100}) as r:
+    with server.client.stream("POST", "/invocations", json={"prompt": "x", "stream": True, "logprobs": 100}) as r:
         r.read()
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     assert "logprobs" in r.json()["error"]["message"]
@@ -587,8 +667,7 @@ def test_cache_salt_through_invocations(server):
     from our tiers only by a request with the same salt (sent as OpenAI's field), never
     by another salt or by none (vLLM's own prefix cache is off on this server)."""
     before = server.entries()
-    r = server.post({"inputs": SALTED_PROMPT, "parameters": {"max_new_tokens": 1,
-                                                              "cache_salt": "tenant-a"}})
+    r = server.post({"inputs": SALTED_PROMPT, "parameters": {"max_new_tokens": 1, "cache_salt": "tenant-a"}})
     assert r.status_code == 200, r.text
     server.wait_stored(before, len(SALTED_PROMPT) // 256)
 
@@ -607,10 +686,18 @@ def test_cache_control_pins_a_chat_prefix_and_publishes_it(server):
     says how many tokens (whole chunks of the system prompt as vLLM's chat template renders
     it), the pin is in the disk tier's pin file, and its chunks are on the shared tier."""
     system = "".join(chr(97 + (i * 7) % 26) for i in range(700))
-    r = server.post({"messages": [
-        {"role": "system", "content": [{"type": "text", "text": system,
-                                        "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
-        {"role": "user", "content": "What now?"}], "max_tokens": 1})
+    r = server.post(
+        {
+            "messages": [
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                },
+                {"role": "user", "content": "What now?"},
+            ],
+            "max_tokens": 1,
+        }
+    )
     assert r.status_code == 200, r.text
     pin = r.json()["kv_transfer_params"]["kvcache_pin"]
     assert pin["pinned"] and pin["tier"] == "disk" and pin["ttl_s"] == 3600 and pin["tokens"] == 512, pin
@@ -718,13 +805,26 @@ def test_inspect_repair_while_the_server_uses_the_folders(server):
     with open(dram / ".usage", "r+b") as f:
         f.write(USAGE.pack(folder_usage(dram) + 12345))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    env.update({"PYTHONPATH": str(REPO), "KVCACHE_DRAM_PATH": str(dram), "KVCACHE_DRAM_SIZE": "16MiB",
-                "KVCACHE_DISK_PATH": str(server.tiers / "disk"), "KVCACHE_DISK_SIZE": "1GiB",
-                "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv"})
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "KVCACHE_DRAM_PATH": str(dram),
+            "KVCACHE_DRAM_SIZE": "16MiB",
+            "KVCACHE_DISK_PATH": str(server.tiers / "disk"),
+            "KVCACHE_DISK_SIZE": "1GiB",
+            "KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv",
+        }
+    )
 
     def inspect(*args):
-        return subprocess.run([sys.executable, "-m", "cache.tools.inspect", *args], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "cache.tools.inspect", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     found = inspect("--verify")
     assert found.returncode == 1 and f"damaged   {newest}: payload checksum mismatch" in found.stdout, found
@@ -753,8 +853,9 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
     server.wait_stored(stored, len(prompt) // 256)
     first = server.post(body).json()  # a DRAM hit: a second use, published to L3
     assert sum(first["kv_transfer_params"]["kvcache_loaded_tokens"].values()) >= 1024
-    other = start_server(tmp_path, model_path, {"KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv",
-                                                "KVCACHE_LOAD_DECISION": "always"})
+    other = start_server(
+        tmp_path, model_path, {"KVCACHE_SHARED_URL": f"file://{server.tiers}/l3/kv", "KVCACHE_LOAD_DECISION": "always"}
+    )
     try:
         second = other.post(body).json()
     finally:
@@ -768,13 +869,22 @@ def test_a_prompt_served_on_one_server_is_a_shared_hit_on_another(server, tmp_pa
 @engine
 def test_metrics(server):
     text = server.client.get("/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source",
-                 "kvcache:tier_hits_total", "kvcache:tier_tokens_loaded_total", "kvcache:tier_used_bytes",
-                 "kvcache:misses_total",
-                 "kvcache_requests_total", "kvcache_request_kv_bytes_bucket",
-                 "kvcache_time_to_first_token_seconds_bucket", "kvcache_kv_bytes_per_token",
-                 "kvcache_time_to_first_token_by_load_seconds_bucket",
-                 "sagemaker_invocations_in_flight", "sagemaker_invocations_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:prompt_tokens_total",
+        "vllm:prompt_tokens_by_source",
+        "kvcache:tier_hits_total",
+        "kvcache:tier_tokens_loaded_total",
+        "kvcache:tier_used_bytes",
+        "kvcache:misses_total",
+        "kvcache_requests_total",
+        "kvcache_request_kv_bytes_bucket",
+        "kvcache_time_to_first_token_seconds_bucket",
+        "kvcache_kv_bytes_per_token",
+        "kvcache_time_to_first_token_by_load_seconds_bucket",
+        "sagemaker_invocations_in_flight",
+        "sagemaker_invocations_total",
+    ):
         assert name in text, name
     assert server.metric("kvcache_kv_bytes_per_token") == 4 * 2 * 64 * 2 * 2
     # one request alone: the live capacity curve counts it in the band of 1 request in flight
@@ -807,8 +917,11 @@ class RuntimeProxy:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                keep = {k: v for k, v in self.headers.items()
-                        if k.lower() in ("content-type", "accept") or k.lower().startswith("x-amzn-sagemaker-")}
+                keep = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() in ("content-type", "accept") or k.lower().startswith("x-amzn-sagemaker-")
+                }
                 r = forward.post("/invocations", content=body, headers=keep)
                 self.send_response(r.status_code)
                 for k, v in r.headers.items():
@@ -846,13 +959,15 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
         # NEW_SESSION: the helper opens a session, sends the body in it, returns the new id
         answer, sid = cli.invoke(rt, "kv", body, session_id="NEW_SESSION")
         assert isinstance(answer["generated_text"], str) and sid not in (None, "NEW_SESSION")
-        answer, again = cli.invoke(rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                                   session_id=sid)
+        answer, again = cli.invoke(
+            rt, "kv", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, session_id=sid
+        )
         assert again == sid and answer["object"] == "chat.completion"
         # an ordinary request with SessionId=NEW_SESSION sent by hand is served, opening
         # nothing, as the standards library does
-        plain = rt.invoke_endpoint(EndpointName="kv", ContentType="application/json",
-                                   Body=json.dumps(body), SessionId="NEW_SESSION")
+        plain = rt.invoke_endpoint(
+            EndpointName="kv", ContentType="application/json", Body=json.dumps(body), SessionId="NEW_SESSION"
+        )
         assert "NewSessionId" not in plain and "generated_text" in json.loads(plain["Body"].read())
         _, closed = cli.invoke(rt, "kv", {"requestType": "CLOSE"}, session_id=sid)
         assert closed is None
@@ -862,10 +977,16 @@ def test_deploy_invoke_helper_end_to_end_through_botocore(server, monkeypatch):
 
 # Dashboard series that answer only once their event happened (a failure, a read from L3,
 # which only another server of this module makes) or on a GPU host (NVML).
-EVENT_ONLY = {"kvcache:tier_timeouts_total", "kvcache:tier_unavailable_total", "kvcache:tier_errors_total",
-              "kvcache:tier_corrupt_total", "kvcache:tier_dropped_writes_total",
-              "kvcache:tier_dropped_publishes_total", "kvcache_gpu_energy_joules_total",
-              "kvcache_energy_per_generated_token_joules"}
+EVENT_ONLY = {
+    "kvcache:tier_timeouts_total",
+    "kvcache:tier_unavailable_total",
+    "kvcache:tier_errors_total",
+    "kvcache:tier_corrupt_total",
+    "kvcache:tier_dropped_writes_total",
+    "kvcache:tier_dropped_publishes_total",
+    "kvcache_gpu_energy_joules_total",
+    "kvcache_energy_per_generated_token_joules",
+}
 
 
 @engine
@@ -879,8 +1000,10 @@ def test_dashboard_names_exported_series_and_its_queries_answer(server):
     source = (REPO / "serving" / "metrics.py").read_text()
     for title, _legend, expr in queries():
         for name in metric_names(expr):
-            assert name in exported or (name in EVENT_ONLY and f'"{name.removesuffix("_total")}"' in source), \
-                (title, name)
+            assert name in exported or (name in EVENT_ONLY and f'"{name.removesuffix("_total")}"' in source), (
+                title,
+                name,
+            )
     try:
         prom = Prometheus(server.url.split("://", 1)[1])
     except FileNotFoundError:
@@ -898,8 +1021,11 @@ def test_dashboard_names_exported_series_and_its_queries_answer(server):
         for title, legend, expr, result in answers(prom, "1m"):
             if not result:
                 empty.append((title, legend, expr))
-    silent = [e for e in empty if not (metric_names(e[2]) & EVENT_ONLY or 'tier="shared"}' in e[2]
-                                       and "tier_hits_total" in e[2])]
+    silent = [
+        e
+        for e in empty
+        if not (metric_names(e[2]) & EVENT_ONLY or 'tier="shared"}' in e[2] and "tier_hits_total" in e[2])
+    ]
     assert not silent, silent
 
 
@@ -924,11 +1050,16 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
         r = server.post({"prompt": "cut me", "max_tokens": LONGEST, "ignore_eos": True})
         result["plain"] = (r.status_code, r.json())
 
-    threads = [threading.Thread(target=stream, args=("short", {
-                   "prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 50, "ignore_eos": True})),
-               threading.Thread(target=stream, args=("long", {
-                   "prompt": "cut this stream", "max_tokens": LONGEST, "ignore_eos": True})),
-               threading.Thread(target=plain)]
+    threads = [
+        threading.Thread(
+            target=stream,
+            args=("short", {"prompt": "drain me " + LONG_PROMPT[::-1][:600], "max_tokens": 50, "ignore_eos": True}),
+        ),
+        threading.Thread(
+            target=stream, args=("long", {"prompt": "cut this stream", "max_tokens": LONGEST, "ignore_eos": True})
+        ),
+        threading.Thread(target=plain),
+    ]
     for t in threads:
         t.start()
     names = ("short", "long")
@@ -944,9 +1075,11 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
     try:
         _check_drain(server, result, threads, sent, log_before)
     except (AssertionError, httpx.HTTPError) as e:  # say why: the server's log and the timeline
-        raise AssertionError(f"{e!r}\nat {time.monotonic() - sent:.2f} s after SIGTERM; results "
-                             f"{ {k: (v if isinstance(v, float) else repr(v)[:300]) for k, v in result.items()} }; "
-                             f"sent at {sent:.2f}\nserver log:\n{server.tail()}") from e
+        raise AssertionError(
+            f"{e!r}\nat {time.monotonic() - sent:.2f} s after SIGTERM; results "
+            f"{ {k: (v if isinstance(v, float) else repr(v)[:300]) for k, v in result.items()} }; "
+            f"sent at {sent:.2f}\nserver log:\n{server.tail()}"
+        ) from e
 
 
 def _while_draining(sent: float, request) -> httpx.Response | None:
@@ -962,8 +1095,11 @@ def _while_draining(sent: float, request) -> httpx.Response | None:
         late = time.monotonic() - sent
         if late < DRAIN_SECONDS:
             raise
-        warnings.warn(f"the client reached the server {late:.1f} s after SIGTERM, past its "
-                      f"{DRAIN_SECONDS} s drain deadline: the 503-while-draining check was not made", stacklevel=2)
+        warnings.warn(
+            f"the client reached the server {late:.1f} s after SIGTERM, past its "
+            f"{DRAIN_SECONDS} s drain deadline: the 503-while-draining check was not made",
+            stacklevel=2,
+        )
         return None
 
 
@@ -971,8 +1107,7 @@ def _check_drain(server, result: dict, threads: list, sent: float, log_before: i
     time.sleep(0.3)
     ping = _while_draining(sent, lambda: httpx.get(server.url + "/ping", timeout=5))
     assert ping is None or ping.status_code == 503
-    refused = _while_draining(sent, lambda: httpx.post(server.url + "/invocations",
-                                                       json={"prompt": "late"}, timeout=5))
+    refused = _while_draining(sent, lambda: httpx.post(server.url + "/invocations", json={"prompt": "late"}, timeout=5))
     assert refused is None or (refused.status_code == 503 and refused.json()["error"]["code"] == 503)
     code = server.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent

@@ -17,9 +17,15 @@ from serving.sizing import DRAM_MARGIN, GiB
 
 REPO = Path(__file__).resolve().parent.parent
 
-LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "hidden_size": 4096, "torch_dtype": "bfloat16",
-             "max_position_embeddings": 8192}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 8192,
+}
 KV_8B = 32 * 8 * 128 * 2 * 2  # 131,072 bytes per token
 
 CPU_BOX = Machine(ram_bytes=64 * GiB, cpus=8)
@@ -38,8 +44,12 @@ def model_dir(tmp_path):
 @pytest.fixture
 def env(tmp_path, model_dir):
     """A SageMaker-like environment with every folder under tmp_path."""
-    return {"HF_MODEL_ID": str(model_dir), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-            "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
+    return {
+        "HF_MODEL_ID": str(model_dir),
+        "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+        "KVCACHE_DRAM_PATH": str(tmp_path / "dram"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+    }
 
 
 def args_of(cfg) -> dict:
@@ -76,8 +86,9 @@ def test_hf_model_id_local_folder(env, model_dir):
 
 def test_hub_id_with_revision_and_unreadable_config(env, monkeypatch):
     monkeypatch.setattr(serving_config, "hf_config", lambda model, env: None)  # offline
-    cfg = build_serving_config({**env, "HF_MODEL_ID": "meta-llama/Meta-Llama-3-8B",
-                                "HF_MODEL_REVISION": "abc123"}, CPU_BOX)
+    cfg = build_serving_config(
+        {**env, "HF_MODEL_ID": "meta-llama/Meta-Llama-3-8B", "HF_MODEL_REVISION": "abc123"}, CPU_BOX
+    )
     a = args_of(cfg)
     assert a["--model"] == "meta-llama/Meta-Llama-3-8B" and a["--revision"] == "abc123"
     assert cfg.footprint is None and cfg.plan is not None  # sized in bytes only
@@ -115,10 +126,17 @@ def test_default_model_generated_when_nothing_given(env, tmp_path, monkeypatch):
 
 # -- engine arguments ------------------------------------------------------------
 def test_sm_num_gpus_and_sm_vllm_args(env):
-    cfg = build_serving_config({**env, "SM_NUM_GPUS": "4", "SM_VLLM_MAX_MODEL_LEN": "4096",
-                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false",
-                                "SM_VLLM_ENFORCE_EAGER": "true",
-                                "SM_VLLM_GPU_MEMORY_UTILIZATION": "0.85"}, GPU_BOX)
+    cfg = build_serving_config(
+        {
+            **env,
+            "SM_NUM_GPUS": "4",
+            "SM_VLLM_MAX_MODEL_LEN": "4096",
+            "SM_VLLM_ENABLE_PREFIX_CACHING": "false",
+            "SM_VLLM_ENFORCE_EAGER": "true",
+            "SM_VLLM_GPU_MEMORY_UTILIZATION": "0.85",
+        },
+        GPU_BOX,
+    )
     a = args_of(cfg)
     assert a["--tensor-parallel-size"] == "4" and cfg.engine.tensor_parallel_size == 4
     assert a["--max-model-len"] == "4096" and a["--gpu-memory-utilization"] == "0.85"
@@ -133,10 +151,18 @@ def test_gpus_default_to_tensor_parallel_over_all(env):
 
 
 def test_lmi_option_names(env):
-    cfg = build_serving_config({**env, "OPTION_TENSOR_PARALLEL_DEGREE": "max",
-                                "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_ROLLING_BATCH": "vllm",
-                                "OPTION_DTYPE": "fp16", "OPTION_MAX_MODEL_LEN": "2048",
-                                "SM_VLLM_MAX_MODEL_LEN": "1024"}, GPU_BOX)
+    cfg = build_serving_config(
+        {
+            **env,
+            "OPTION_TENSOR_PARALLEL_DEGREE": "max",
+            "OPTION_MAX_ROLLING_BATCH_SIZE": "64",
+            "OPTION_ROLLING_BATCH": "vllm",
+            "OPTION_DTYPE": "fp16",
+            "OPTION_MAX_MODEL_LEN": "2048",
+            "SM_VLLM_MAX_MODEL_LEN": "1024",
+        },
+        GPU_BOX,
+    )
     a = args_of(cfg)
     assert a["--tensor-parallel-size"] == "4" and a["--max-num-seqs"] == "64"
     assert a["--dtype"] == "float16" and "--rolling-batch" not in a  # LMI's name, vLLM's value
@@ -145,8 +171,16 @@ def test_lmi_option_names(env):
 
 
 def test_connector_config_carries_resolved_sizes_not_the_secret(env):
-    cfg = build_serving_config({**env, "KVCACHE_DRAM_SIZE": "128MiB", "KVCACHE_DISK_SIZE": "1GiB",
-                                "KVCACHE_SIGNING_KEY": "s3cret", "KVCACHE_CHUNK_TOKENS": "512"}, CPU_BOX)
+    cfg = build_serving_config(
+        {
+            **env,
+            "KVCACHE_DRAM_SIZE": "128MiB",
+            "KVCACHE_DISK_SIZE": "1GiB",
+            "KVCACHE_SIGNING_KEY": "s3cret",
+            "KVCACHE_CHUNK_TOKENS": "512",
+        },
+        CPU_BOX,
+    )
     tc = json.loads(args_of(cfg)["--kv-transfer-config"])
     assert tc["kv_connector"] == "TieredKVConnector"
     assert tc["kv_connector_module_path"] == "cache.vllm.connector" and tc["kv_role"] == "kv_both"
@@ -163,8 +197,9 @@ def test_connector_config_carries_resolved_sizes_not_the_secret(env):
 def test_cache_off(env):
     off = build_serving_config({**env, "KVCACHE_ENABLED": "false"}, CPU_BOX)
     assert off.plan is None and "--kv-transfer-config" not in args_of(off)
-    own = build_serving_config({**env, "SM_VLLM_KV_TRANSFER_CONFIG": '{"kv_connector":"X","kv_role":"kv_both"}'},
-                               CPU_BOX)
+    own = build_serving_config(
+        {**env, "SM_VLLM_KV_TRANSFER_CONFIG": '{"kv_connector":"X","kv_role":"kv_both"}'}, CPU_BOX
+    )
     assert own.plan is None and args_of(own)["--kv-transfer-config"].startswith('{"kv_connector":"X"')
     assert any("SM_VLLM_KV_TRANSFER_CONFIG" in n for n in own.notes)
 
@@ -178,17 +213,20 @@ def test_shared_admission_one_setting_passed_to_the_connector(env, tmp_path):
     assert connector_config(cfg).shared_admission == "all"  # the connector agrees
     assert "publishes: all" in cfg.describe()
     assert build_cache_config({**l3, "KVCACHE_SHARED_ADMISSION": "none"}).shared_admission == "none"
-    with pytest.raises(ConfigError, match="KVCACHE_SHARED_ADMISSION='sometimes' is unknown; "
-                                          "choose one of reused, all, none"):
+    with pytest.raises(
+        ConfigError, match="KVCACHE_SHARED_ADMISSION='sometimes' is unknown; choose one of reused, all, none"
+    ):
         build_serving_config({**l3, "KVCACHE_SHARED_ADMISSION": "sometimes"}, CPU_BOX)
 
 
 @pytest.fixture
 def warm_env(env, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "You are a helpful assistant."}\n\n'
-                       '{"prompt_token_ids": [1, 2, 3]}\n'
-                       '{"messages": [{"role": "system", "content": "Be brief."}]}\n')
+    prompts.write_text(
+        '{"prompt": "You are a helpful assistant."}\n\n'
+        '{"prompt_token_ids": [1, 2, 3]}\n'
+        '{"messages": [{"role": "system", "content": "Be brief."}]}\n'
+    )
     return {**env, "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3", "KVCACHE_WARM_PROMPTS": str(prompts)}
 
 
@@ -198,20 +236,26 @@ def test_warm_prompts_checked_at_configuration(warm_env, tmp_path):
     assert "warm-up before serving" in cfg.describe()
     assert build_serving_config({**warm_env, "KVCACHE_WARM_PROMPTS": ""}, CPU_BOX).engine.warm_prompts is None
     bad = tmp_path / "bad.jsonl"
-    for text, words in [('{"prompt": "x"}\n{"text": "y"}\n', "line 2: each line must be a JSON object"),
-                        ("not json\n", "line 1: not JSON"), ("\n\n", "holds no prompts"),
-                        ('["prompt"]\n', "line 1: each line")]:
+    for text, words in [
+        ('{"prompt": "x"}\n{"text": "y"}\n', "line 2: each line must be a JSON object"),
+        ("not json\n", "line 1: not JSON"),
+        ("\n\n", "holds no prompts"),
+        ('["prompt"]\n', "line 1: each line"),
+    ]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=f"KVCACHE_WARM_PROMPTS='{bad}'.*{words}"):
             build_serving_config({**warm_env, "KVCACHE_WARM_PROMPTS": str(bad)}, CPU_BOX)
 
 
-@pytest.mark.parametrize("change,words", [
-    ({"KVCACHE_WARM_PROMPTS": "/no/such/prompts.jsonl"}, "cannot be read"),
-    ({"KVCACHE_SHARED_URL": ""}, "set KVCACHE_SHARED_URL"),
-    ({"KVCACHE_SHARED_ADMISSION": "none"}, "KVCACHE_SHARED_ADMISSION=none publishes nothing"),
-    ({"KVCACHE_ENABLED": "false"}, "needs the tiered cache"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"KVCACHE_WARM_PROMPTS": "/no/such/prompts.jsonl"}, "cannot be read"),
+        ({"KVCACHE_SHARED_URL": ""}, "set KVCACHE_SHARED_URL"),
+        ({"KVCACHE_SHARED_ADMISSION": "none"}, "KVCACHE_SHARED_ADMISSION=none publishes nothing"),
+        ({"KVCACHE_ENABLED": "false"}, "needs the tiered cache"),
+    ],
+)
 def test_warm_prompts_that_cannot_work_are_config_errors(warm_env, change, words):
     with pytest.raises(ConfigError, match=f"KVCACHE_WARM_PROMPTS=.*{words}"):
         build_serving_config({**warm_env, **change}, CPU_BOX)
@@ -219,11 +263,12 @@ def test_warm_prompts_that_cannot_work_are_config_errors(warm_env, change, words
 
 def test_engine_cpu_kv_pool_default_only_without_gpu(env):
     cpu = build_serving_config(env, CPU_BOX)
-    assert dict(cpu.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"   # 64 GiB // 16
+    assert dict(cpu.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"  # 64 GiB // 16
     small = build_serving_config(env, Machine(ram_bytes=8 * GiB, cpus=2))
     assert dict(small.engine.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in dict(
-        build_serving_config({**env, "VLLM_CPU_KVCACHE_SPACE": "3"}, CPU_BOX).engine.env)
+        build_serving_config({**env, "VLLM_CPU_KVCACHE_SPACE": "3"}, CPU_BOX).engine.env
+    )
     assert build_serving_config(env, GPU_BOX).engine.env == ()
 
 
@@ -250,8 +295,7 @@ def test_the_plan_shows_l0_as_the_block_override_holds_it(env, box, block):
     cfg = build_serving_config({**env, "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": "256"}, box)
     assert cfg.plan.engine_kv_bytes == 256 * block * KV_8B
     assert f"~{256 * block:,} tokens" in cfg.describe() and "256 blocks (override)" in cfg.describe()
-    sized = build_serving_config({**env, "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": "256",
-                                  "SM_VLLM_BLOCK_SIZE": "32"}, box)
+    sized = build_serving_config({**env, "SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE": "256", "SM_VLLM_BLOCK_SIZE": "32"}, box)
     assert sized.plan.engine_kv_bytes == 256 * 32 * KV_8B
 
 
@@ -282,8 +326,9 @@ def test_user_sizes_win_and_bad_sizes_are_named(env):
 
 
 def test_plan_block_is_readable(env):
-    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_DRAM_SIZE": "1GiB",
-                                "KVCACHE_DISK_SIZE": "2GiB"}, CPU_BOX)
+    cfg = build_serving_config(
+        {**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_DRAM_SIZE": "1GiB", "KVCACHE_DISK_SIZE": "2GiB"}, CPU_BOX
+    )
     text = cfg.describe()
     assert "131,072 bytes (128.0 KiB) per token" in text
     assert "L1 dram" in text and "~8,192 tokens = 1 full-length requests" in text
@@ -302,29 +347,51 @@ def test_http_defaults(env):
 
 
 def test_http_from_sagemaker_variables(env):
-    http = build_serving_config({**env, "SAGEMAKER_BIND_TO_PORT": "9000",
-                                 "SAGEMAKER_MAX_PAYLOAD_IN_MB": "2",
-                                 "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120",
-                                 "SAGEMAKER_STARTUP_TIMEOUT": "900",
-                                 "SAGEMAKER_CONTAINER_LOG_LEVEL": "10",
-                                 "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "false"}, CPU_BOX).http
+    http = build_serving_config(
+        {
+            **env,
+            "SAGEMAKER_BIND_TO_PORT": "9000",
+            "SAGEMAKER_MAX_PAYLOAD_IN_MB": "2",
+            "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120",
+            "SAGEMAKER_STARTUP_TIMEOUT": "900",
+            "SAGEMAKER_CONTAINER_LOG_LEVEL": "10",
+            "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "false",
+        },
+        CPU_BOX,
+    ).http
     assert (http.port, http.max_payload_bytes, http.invocation_timeout_s) == (9000, 2 * 2**20, 120)
     assert http.startup_timeout_s == 900 and http.log_level == "DEBUG" and not http.sessions_enabled
 
 
-@pytest.mark.parametrize("var,value", [("SAGEMAKER_BIND_TO_PORT", "http"),
-                                       ("SAGEMAKER_BIND_TO_PORT", "70000"),
-                                       ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "soon"),
-                                       ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
-                                       ("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "maybe"),
-                                       ("SM_NUM_GPUS", "two")])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("SAGEMAKER_BIND_TO_PORT", "http"),
+        ("SAGEMAKER_BIND_TO_PORT", "70000"),
+        ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "soon"),
+        ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
+        ("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "maybe"),
+        ("SM_NUM_GPUS", "two"),
+    ],
+)
 def test_bad_settings_are_config_errors(env, var, value):
     with pytest.raises(ConfigError):
         build_serving_config({**env, var: value}, CPU_BOX)
 
 
-@pytest.mark.parametrize("text,value", [("Yes", True), (" on ", True), ("1", True), ("TRUE", True),
-                                        ("No", False), ("OFF", False), ("0", False), ("false", False)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("Yes", True),
+        (" on ", True),
+        ("1", True),
+        ("TRUE", True),
+        ("No", False),
+        ("OFF", False),
+        ("0", False),
+        ("false", False),
+    ],
+)
 def test_server_flags_take_the_cache_spellings(env, monkeypatch, text, value):
     """The server's true/false settings read by cache.flags, as KVCACHE_* ones are."""
     http = build_serving_config({**env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": text}, CPU_BOX).http
@@ -332,8 +399,11 @@ def test_server_flags_take_the_cache_spellings(env, monkeypatch, text, value):
     # SERVING_DEFAULT_MODEL with no SageMaker model folder: unset or true generates the
     # default model; false refuses to serve without a model.
     monkeypatch.setattr("serving.default_model.ensure_model", lambda path, shape: None)
-    plain = {**_no_model_id(env), "SERVING_DEFAULT_MODEL": text,
-             "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"]}   # a model made already
+    plain = {
+        **_no_model_id(env),
+        "SERVING_DEFAULT_MODEL": text,
+        "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"],
+    }  # a model made already
     if value:
         assert build_serving_config(plain, CPU_BOX).model.source == "default"
     else:
@@ -353,8 +423,9 @@ def test_toolkit_sees_only_the_given_environment(env, monkeypatch):
 def test_vllm_parser_accepts_our_arguments_and_names_bad_variables(env):
     from serving.engine_args import parse_engine_args
 
-    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096",
-                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
+    cfg = build_serving_config(
+        {**env, "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX
+    )
     args = parse_engine_args(cfg.engine)
     assert args.max_model_len == 4096 and args.enable_prefix_caching is False
     assert args.kv_transfer_config.kv_connector == "TieredKVConnector"
@@ -372,8 +443,15 @@ def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
     from serving.engine_args import parse_engine_args
     from serving.warmup import warm_arguments
 
-    cfg = build_serving_config({**warm_env, "SM_VLLM_MAX_MODEL_LEN": "4096", "SM_VLLM_ENFORCE_EAGER": "true",
-                                "SM_VLLM_ENABLE_PREFIX_CACHING": "false"}, CPU_BOX)
+    cfg = build_serving_config(
+        {
+            **warm_env,
+            "SM_VLLM_MAX_MODEL_LEN": "4096",
+            "SM_VLLM_ENFORCE_EAGER": "true",
+            "SM_VLLM_ENABLE_PREFIX_CACHING": "false",
+        },
+        CPU_BOX,
+    )
     model, cache, engine_args = warm_arguments(parse_engine_args(cfg.engine))
     assert model == warm_env["HF_MODEL_ID"] and cache == connector_extra(cfg)
     assert engine_args["max_model_len"] == 4096 and engine_args["enforce_eager"] is True
@@ -383,11 +461,14 @@ def test_warm_up_engine_gets_the_serving_engine_arguments(warm_env):
 
 
 # -- the shared tier's URL is checked by the server, before any engine ----------------
-@pytest.mark.parametrize("url,words", [
-    ("nope://x", "not a URL fsspec knows"),
-    ("curvine:///kv", "needs Curvine's Python SDK"),     # no SDK installed here
-    ("file:///no/such/mount/kv", "mounted there"),
-])
+@pytest.mark.parametrize(
+    "url,words",
+    [
+        ("nope://x", "not a URL fsspec knows"),
+        ("curvine:///kv", "needs Curvine's Python SDK"),  # no SDK installed here
+        ("file:///no/such/mount/kv", "mounted there"),
+    ],
+)
 def test_a_bad_shared_url_is_a_configuration_error(env, url, words):
     with pytest.raises(ConfigError, match=f"KVCACHE_SHARED_URL={url!r}.*{words}"):
         build_serving_config({**env, "KVCACHE_SHARED_URL": url, "KVCACHE_CURVINE_MASTERS": "cv-0:8995"}, CPU_BOX)
@@ -401,10 +482,20 @@ def test_the_server_exits_2_on_a_bad_shared_url(env):
     from tests.conftest import REPO
 
     run_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHE_", "SAGEMAKER_", "SM_"))}
-    run_env.update(env, KVCACHE_SHARED_URL="curvine:///kv", KVCACHE_CURVINE_MASTERS="cv-0:8995",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    run = subprocess.run([sys.executable, "-m", "serving", "--print-config"], env=run_env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    run_env.update(
+        env,
+        KVCACHE_SHARED_URL="curvine:///kv",
+        KVCACHE_CURVINE_MASTERS="cv-0:8995",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "serving", "--print-config"],
+        env=run_env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "configuration error: KVCACHE_SHARED_URL='curvine:///kv' needs Curvine's Python SDK" in run.stderr
 
@@ -445,8 +536,9 @@ def test_model_artifact_one_folder_deep_is_found(env, tmp_path):
     (nested / "config.json").write_text(json.dumps(LLAMA3_8B))
     cfg = build_serving_config(_no_model_id(env), CPU_BOX)
     assert cfg.model.model == str(nested) and cfg.footprint.bytes_per_token == KV_8B
-    assert build_serving_config({**env, "HF_MODEL_ID": str(tmp_path / "ml" / "model")},
-                                CPU_BOX).model.model == str(nested)
+    assert build_serving_config({**env, "HF_MODEL_ID": str(tmp_path / "ml" / "model")}, CPU_BOX).model.model == str(
+        nested
+    )
 
 
 def test_empty_sagemaker_model_folder_stops_instead_of_serving_a_random_model(env, tmp_path, monkeypatch):
@@ -455,8 +547,9 @@ def test_empty_sagemaker_model_folder_stops_instead_of_serving_a_random_model(en
         build_serving_config(_no_model_id(env), CPU_BOX)
     made = []
     monkeypatch.setattr("serving.default_model.ensure_model", lambda path, shape: made.append(path))
-    cfg = build_serving_config({**_no_model_id(env), "SERVING_DEFAULT_MODEL": "true",
-                                "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"]}, CPU_BOX)
+    cfg = build_serving_config(
+        {**_no_model_id(env), "SERVING_DEFAULT_MODEL": "true", "SERVING_DEFAULT_MODEL_DIR": env["HF_MODEL_ID"]}, CPU_BOX
+    )
     assert cfg.model.source == "default" and made
 
 
@@ -465,19 +558,38 @@ def test_empty_model_folder_exits_2_with_one_message(tmp_path):
     import sys
 
     (tmp_path / "ml" / "model").mkdir(parents=True)
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-           "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk")}
-    run = subprocess.run([sys.executable, "-m", "serving", "--print-config"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+        "KVCACHE_DRAM_PATH": str(tmp_path / "dram"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "serving", "--print-config"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert run.stderr.count("configuration error: no model to serve") == 1
 
 
 # -- TGI and LMI settings ---------------------------------------------------------
 def test_tgi_settings_become_vllm_arguments(env):
-    cfg = build_serving_config({**env, "HF_MODEL_QUANTIZE": "bitsandbytes-nf4", "HF_MODEL_TRUST_REMOTE_CODE": "true",
-                                "MAX_INPUT_LENGTH": "3000", "MAX_TOTAL_TOKENS": "4096",
-                                "MAX_BATCH_PREFILL_TOKENS": "8192"}, CPU_BOX)
+    cfg = build_serving_config(
+        {
+            **env,
+            "HF_MODEL_QUANTIZE": "bitsandbytes-nf4",
+            "HF_MODEL_TRUST_REMOTE_CODE": "true",
+            "MAX_INPUT_LENGTH": "3000",
+            "MAX_TOTAL_TOKENS": "4096",
+            "MAX_BATCH_PREFILL_TOKENS": "8192",
+        },
+        CPU_BOX,
+    )
     a, src = args_of(cfg), dict(cfg.engine.arg_sources)
     assert a["--quantization"] == "bitsandbytes" and a["--trust-remote-code"] is True
     assert a["--max-model-len"] == "4096" and a["--max-num-batched-tokens"] == "8192"
@@ -488,12 +600,15 @@ def test_tgi_settings_become_vllm_arguments(env):
     with pytest.raises(ConfigError, match="MAX_TOTAL_TOKENS='lots'"):
         build_serving_config({**env, "MAX_TOTAL_TOKENS": "lots"}, CPU_BOX)
     # OPTION_ and SM_VLLM_ win over TGI's
-    assert args_of(build_serving_config({**env, "MAX_TOTAL_TOKENS": "4096", "OPTION_MAX_MODEL_LEN": "2048"},
-                                        CPU_BOX))["--max-model-len"] == "2048"
+    assert (
+        args_of(build_serving_config({**env, "MAX_TOTAL_TOKENS": "4096", "OPTION_MAX_MODEL_LEN": "2048"}, CPU_BOX))[
+            "--max-model-len"
+        ]
+        == "2048"
+    )
 
 
-@pytest.mark.parametrize("lmi,vllm", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32"),
-                                      ("auto", "auto")])
+@pytest.mark.parametrize("lmi,vllm", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32"), ("auto", "auto")])
 def test_lmi_dtype_names(env, lmi, vllm):
     assert args_of(build_serving_config({**env, "OPTION_DTYPE": lmi}, CPU_BOX))["--dtype"] == vllm
 
@@ -501,8 +616,9 @@ def test_lmi_dtype_names(env, lmi, vllm):
 def test_serving_properties_in_the_model_folder(env, tmp_path, model_dir):
     sm = tmp_path / "ml" / "model"
     sm.mkdir(parents=True)
-    (sm / "serving.properties").write_text(f"engine=Python\noption.model_id={model_dir}\n"
-                                           "option.dtype=bf16\noption.max_model_len=2048\n# note\n")
+    (sm / "serving.properties").write_text(
+        f"engine=Python\noption.model_id={model_dir}\noption.dtype=bf16\noption.max_model_len=2048\n# note\n"
+    )
     cfg = build_serving_config({**_no_model_id(env), "OPTION_MAX_MODEL_LEN": "1024"}, CPU_BOX)
     a = args_of(cfg)
     assert cfg.model.source == "OPTION_MODEL_ID" and a["--model"] == str(model_dir)
@@ -517,8 +633,10 @@ def test_serving_properties_in_the_model_folder(env, tmp_path, model_dir):
 def test_unknown_lmi_options_are_dropped_with_a_note_sm_vllm_ones_refused(env, caplog):
     from serving.engine_args import parse_engine_args
 
-    cfg = build_serving_config({**env, "OPTION_ROLLING_BATCH_SIZE_X": "4", "OPTION_ENABLE_STREAMING": "true",
-                                "OPTION_MAX_MODEL_LEN": "2048"}, CPU_BOX)
+    cfg = build_serving_config(
+        {**env, "OPTION_ROLLING_BATCH_SIZE_X": "4", "OPTION_ENABLE_STREAMING": "true", "OPTION_MAX_MODEL_LEN": "2048"},
+        CPU_BOX,
+    )
     with caplog.at_level("INFO", logger="serving.engine_args"):
         args = parse_engine_args(cfg.engine)
     assert args.max_model_len == 2048
@@ -537,8 +655,12 @@ def s3(monkeypatch):
     server = ThreadedMotoServer(port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+    }.items():
         monkeypatch.setenv(k, v)
     client = boto3.client("s3")
     client.create_bucket(Bucket="models")
@@ -557,12 +679,12 @@ def test_s3_model_id_is_downloaded_with_boto3(env, tmp_path, s3, var):
     cfg = build_serving_config(e, CPU_BOX)
     local = tmp_path / "dl" / "models" / "llama" / "v1"
     assert cfg.model.s3_uri == "s3://models/llama/v1" and args_of(cfg)["--model"] == str(local)
-    assert cfg.footprint.bytes_per_token == KV_8B          # config.json only, at configuration
+    assert cfg.footprint.bytes_per_token == KV_8B  # config.json only, at configuration
     assert sorted(p.name for p in local.iterdir()) == ["config.json"]
-    assert fetch_model(cfg.model) == 2                     # the rest, before vLLM starts
+    assert fetch_model(cfg.model) == 2  # the rest, before vLLM starts
     assert (local / "tokenizer" / "tokenizer.json").read_bytes() == b"{}"
     assert (local / "model.safetensors").stat().st_size == 1000
-    assert fetch_model(cfg.model) == 0                     # already there
+    assert fetch_model(cfg.model) == 0  # already there
     with pytest.raises(ConfigError, match="cannot download the model from s3://nobucket/x"):
         build_serving_config({**e, var: "s3://nobucket/x"}, CPU_BOX)
 
@@ -581,7 +703,7 @@ def test_an_s3_object_replaced_by_one_of_the_same_size_is_fetched_again(env, tmp
     before = fingerprint(model.local_dir)
     manifest = json.loads((tmp_path / "dl" / "models" / "m" / S3_MANIFEST).read_text())
     assert sorted(manifest) == ["config.json", "model.bin"]
-    s3.put_object(Bucket="models", Key="m/model.bin", Body=b"\2" * 1000)   # same size, new weights
+    s3.put_object(Bucket="models", Key="m/model.bin", Body=b"\2" * 1000)  # same size, new weights
     assert fetch_model(model) == 1
     assert (tmp_path / "dl" / "models" / "m" / "model.bin").read_bytes() == b"\2" * 1000
     assert fingerprint(model.local_dir).digest != before.digest
@@ -596,31 +718,59 @@ def test_startup_timeout_default_is_never_shorter_than_the_platforms(env):
 def test_safe_port_range_reaches_the_engine(env):
     cfg = build_serving_config({**env, "SAGEMAKER_SAFE_PORT_RANGE": "20000-20999"}, CPU_BOX)
     assert dict(cfg.engine.env)["VLLM_PORT"] == "20000"
-    for bad, words in [({"SAGEMAKER_SAFE_PORT_RANGE": "20000"}, "not a port range"),
-                       ({"SAGEMAKER_SAFE_PORT_RANGE": "9-1"}, "not a port range"),
-                       ({"SAGEMAKER_SAFE_PORT_RANGE": "20000-20999", "VLLM_PORT": "1234"}, "outside")]:
+    for bad, words in [
+        ({"SAGEMAKER_SAFE_PORT_RANGE": "20000"}, "not a port range"),
+        ({"SAGEMAKER_SAFE_PORT_RANGE": "9-1"}, "not a port range"),
+        ({"SAGEMAKER_SAFE_PORT_RANGE": "20000-20999", "VLLM_PORT": "1234"}, "outside"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             build_serving_config({**env, **bad}, CPU_BOX)
 
 
 def test_print_config_says_which_variable_set_what(env):
-    cfg = build_serving_config({**env, "SM_VLLM_MAX_MODEL_LEN": "4096", "OPTION_DTYPE": "bf16",
-                                "SAGEMAKER_BIND_TO_PORT": "9000", "SAGEMAKER_SAFE_PORT_RANGE": "20000-20999",
-                                "KVCACHE_SIGNING_KEY": "s3cret"}, CPU_BOX)
+    cfg = build_serving_config(
+        {
+            **env,
+            "SM_VLLM_MAX_MODEL_LEN": "4096",
+            "OPTION_DTYPE": "bf16",
+            "SAGEMAKER_BIND_TO_PORT": "9000",
+            "SAGEMAKER_SAFE_PORT_RANGE": "20000-20999",
+            "KVCACHE_SIGNING_KEY": "s3cret",
+        },
+        CPU_BOX,
+    )
     text = cfg.describe()
-    for line in (f"HF_MODEL_ID={env['HF_MODEL_ID']}", "SM_VLLM_MAX_MODEL_LEN=4096", "-> --max-model-len 4096",
-                 "OPTION_DTYPE=bf16", "-> --dtype bfloat16", "SAGEMAKER_BIND_TO_PORT=9000", "-> port 9000",
-                 "SAGEMAKER_SAFE_PORT_RANGE=20000-20999", "VLLM_PORT=20000",
-                 "SAGEMAKER_STARTUP_TIMEOUT (default)", "-> start-up timeout (s) 3600",
-                 "KVCACHE_SIGNING_KEY=***"):
+    for line in (
+        f"HF_MODEL_ID={env['HF_MODEL_ID']}",
+        "SM_VLLM_MAX_MODEL_LEN=4096",
+        "-> --max-model-len 4096",
+        "OPTION_DTYPE=bf16",
+        "-> --dtype bfloat16",
+        "SAGEMAKER_BIND_TO_PORT=9000",
+        "-> port 9000",
+        "SAGEMAKER_SAFE_PORT_RANGE=20000-20999",
+        "VLLM_PORT=20000",
+        "SAGEMAKER_STARTUP_TIMEOUT (default)",
+        "-> start-up timeout (s) 3600",
+        "KVCACHE_SIGNING_KEY=***",
+    ):
         assert line in text, line
     assert "s3cret" not in text
 
 
 def test_plan_counts_a_hybrid_models_windows_and_state_once_per_request(env, model_dir):
-    gemma3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
-              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024,
-              "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "max_position_embeddings": 131072}
+    gemma3 = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+        "max_position_embeddings": 131072,
+    }
     (model_dir / "config.json").write_text(json.dumps(gemma3))
     sized = {**env, "SM_VLLM_MAX_MODEL_LEN": "8192", "KVCACHE_DRAM_SIZE": "4GiB", "KVCACHE_DISK_SIZE": "2GiB"}
     text = build_serving_config(sized, CPU_BOX).describe()

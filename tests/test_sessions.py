@@ -23,9 +23,13 @@ def make_app(tmp_path, **env):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
-    base = {"HF_MODEL_ID": str(model), "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
-            "KVCACHE_DRAM_PATH": str(tmp_path / "dram"), "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
-            "SAGEMAKER_SESSIONS_PATH": str(tmp_path / "sessions")}
+    base = {
+        "HF_MODEL_ID": str(model),
+        "SAGEMAKER_BASE_DIR": str(tmp_path / "ml"),
+        "KVCACHE_DRAM_PATH": str(tmp_path / "dram"),
+        "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+        "SAGEMAKER_SESSIONS_PATH": str(tmp_path / "sessions"),
+    }
     return create_app(build_serving_config({**base, **env}, Machine(ram_bytes=16 << 30, cpus=2)))
 
 
@@ -45,7 +49,7 @@ def test_open_sessions_are_bounded_and_expired_ones_make_room(tmp_path):
     assert_error(r, 429, "too many open sessions: 3 of SERVING_MAX_SESSIONS=3")
     assert "the oldest expires in" in r.json()["error"]["message"]
     assert counted(app, "session", 429) == 1
-    assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == sorted(ids)   # no 4th folder
+    assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == sorted(ids)  # no 4th folder
     # the open ones still serve (503: no engine here, but past the session check)
     assert_error(post(app, {"inputs": "x"}, headers={SESSION: ids[0]}), 503, "not ready")
     # closing one makes room
@@ -82,10 +86,11 @@ def test_max_sessions_setting(tmp_path):
 def test_the_session_header_is_checked_on_every_model_route(tmp_path, path):
     app = make_app(tmp_path)
     body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
-    assert_error(post(app, body, path=path, headers={SESSION: "no-such-session"}), 400,
-                 "session not found: no-such-session")
+    assert_error(
+        post(app, body, path=path, headers={SESSION: "no-such-session"}), 400, "session not found: no-such-session"
+    )
     sid = new_session(app)
-    assert_error(post(app, body, path=path, headers={SESSION: sid}), 503, "not ready")       # honoured
+    assert_error(post(app, body, path=path, headers={SESSION: sid}), 503, "not ready")  # honoured
     assert_error(post(app, body, path=path, headers={SESSION: "NEW_SESSION"}), 503, "not ready")
     assert post(app, {"requestType": "CLOSE"}, headers={SESSION: sid}).status_code == 200
     assert_error(post(app, body, path=path, headers={SESSION: sid}), 400, "session not found")  # closed
@@ -94,6 +99,7 @@ def test_the_session_header_is_checked_on_every_model_route(tmp_path, path):
 def test_the_session_header_with_sessions_off_is_refused_on_v1_too(tmp_path):
     app = make_app(tmp_path, SAGEMAKER_ENABLE_STATEFUL_SESSIONS="false")
     for path in ("/invocations", "/v1/completions"):
-        assert_error(post(app, {"prompt": "x"}, path=path, headers={SESSION: "abc"}), 400,
-                     "stateful sessions not enabled")
+        assert_error(
+            post(app, {"prompt": "x"}, path=path, headers={SESSION: "abc"}), 400, "stateful sessions not enabled"
+        )
         assert_error(post(app, {"prompt": "x"}, path=path), 503, "not ready")

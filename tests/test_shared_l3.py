@@ -29,18 +29,24 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-P1 = tokens(11, 1500)                  # 5 whole chunks and a 220-token tail
+P1 = tokens(11, 1500)  # 5 whole chunks and a 220-token tail
 P2 = tokens(12, 700)
-HIT_P1 = 1500 - 1                      # a hit loads all but the last token
+HIT_P1 = 1500 - 1  # a hit loads all but the last token
 HIT_P2 = 700 - 1
 
 
 def run_l3_engine(spec: dict, timeout: float = 300) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "l3_driver.py"), json.dumps(spec)],
-                          capture_output=True, text=True, env=engine_env(), cwd=REPO, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "l3_driver.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=engine_env(),
+        cwd=REPO,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def cache_spec(tmp, name: str) -> dict:
@@ -64,17 +70,19 @@ def entry_files(folder) -> list[str]:
 
 @pytest.mark.engine
 def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_path):
-    first = run_l3_engine({
-        "model": model_path,
-        "cache": cache_spec(tmp_path, "a"),
-        "steps": [
-            {"prompt_token_ids": P1},        # cold
-            {"reset_prefix_cache": True},
-            {"prompt_token_ids": P1},        # a DRAM hit: the reference
-            {"warm": [P1, P2]},              # reused from DRAM: published to L3
-            {"shutdown": True},              # flushes the publish queue
-        ],
-    })
+    first = run_l3_engine(
+        {
+            "model": model_path,
+            "cache": cache_spec(tmp_path, "a"),
+            "steps": [
+                {"prompt_token_ids": P1},  # cold
+                {"reset_prefix_cache": True},
+                {"prompt_token_ids": P1},  # a DRAM hit: the reference
+                {"warm": [P1, P2]},  # reused from DRAM: published to L3
+                {"shutdown": True},  # flushes the publish queue
+            ],
+        }
+    )
     cold, reference, warmed, _ = first
     assert cold["loaded"] == {} and reference["loaded"] == {"dram": HIT_P1}
     assert warmed["reloaded"] == {"dram": HIT_P1 + HIT_P2}
@@ -84,11 +92,13 @@ def test_prompt_warmed_on_one_engine_is_a_shared_hit_on_another(model_path, tmp_
     # overflowed; the shutdown flushed the copies), for a new container on this node
     assert len(entry_files(tmp_path / "disk-a")) == 9
 
-    hit, hit2 = run_l3_engine({
-        "model": model_path,
-        "cache": cache_spec(tmp_path, "b"),
-        "steps": [{"prompt_token_ids": P1}, {"prompt_token_ids": P2}],
-    })
+    hit, hit2 = run_l3_engine(
+        {
+            "model": model_path,
+            "cache": cache_spec(tmp_path, "b"),
+            "steps": [{"prompt_token_ids": P1}, {"prompt_token_ids": P2}],
+        }
+    )
     assert hit["loaded"] == {"shared": HIT_P1}
     assert hit["token_ids"] == reference["token_ids"] and hit["logprobs"] == reference["logprobs"]
     assert hit2["loaded"] == {"shared": HIT_P2}
@@ -106,15 +116,18 @@ class ByteTokenizer:
 
 def test_warm_reads_text_token_and_chat_prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"prompt": "hi"}),
-        json.dumps({"prompt_token_ids": [5, 6, 7]}),
-        "",
-        json.dumps({"messages": [{"role": "system", "content": "be brief"}]}),
-    ]))
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "hi"}),
+                json.dumps({"prompt_token_ids": [5, 6, 7]}),
+                "",
+                json.dumps({"messages": [{"role": "system", "content": "be brief"}]}),
+            ]
+        )
+    )
     tok = ByteTokenizer()
-    assert read_prompts(str(path), tok) == [
-        [1, 104, 105], [5, 6, 7], tok.encode("<system>be brief<assistant>")]
+    assert read_prompts(str(path), tok) == [[1, 104, 105], [5, 6, 7], tok.encode("<system>be brief<assistant>")]
     path.write_text(json.dumps({"text": "no"}) + "\n")
     with pytest.raises(ValueError, match="line 1"):
         read_prompts(str(path), tok)
@@ -127,8 +140,13 @@ def test_warm_refuses_to_run_without_a_shared_tier(tmp_path):
     from cache.errors import ConfigError
     from cache.tools.warm import warm
 
-    config = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
-                                 "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
-                                 "KVCACHE_DRAM_SIZE": "1MiB", "KVCACHE_DISK_SIZE": "1MiB"})
+    config = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DRAM_SIZE": "1MiB",
+            "KVCACHE_DISK_SIZE": "1MiB",
+        }
+    )
     with pytest.raises(ConfigError, match="KVCACHE_SHARED_URL"):
         warm(str(tmp_path / "none.jsonl"), "model", cache=connector_extra(config))

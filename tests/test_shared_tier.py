@@ -216,8 +216,14 @@ class FakeCurvineFileSystem:
     def ls(self, path, detail=True):
         out = []
         for e in os.scandir(self._p(path)):
-            out.append({"name": f"{path}/{e.name}", "size": e.stat().st_size,
-                        "type": "directory" if e.is_dir() else "file", "mtime": 0})
+            out.append(
+                {
+                    "name": f"{path}/{e.name}",
+                    "size": e.stat().st_size,
+                    "type": "directory" if e.is_dir() else "file",
+                    "mtime": 0,
+                }
+            )
         return out
 
 
@@ -297,8 +303,9 @@ def test_curvine_client_from_master_addresses_alone(tmp_path, monkeypatch):
     assert t.reserve(5) and t.write(KEY, [b"abcde"], 5) and bytes(t.read(KEY)) == b"abcde"
     import tomllib
 
-    assert tomllib.loads(seen["text"]) == {"client": {"master_addrs": [
-        {"hostname": "cv-0.cv", "port": 8995}, {"hostname": "10.0.0.7", "port": 9000}]}}
+    assert tomllib.loads(seen["text"]) == {
+        "client": {"master_addrs": [{"hostname": "cv-0.cv", "port": 8995}, {"hostname": "10.0.0.7", "port": 9000}]}
+    }
     assert seen["mode"] == 0o600 and not os.path.exists(seen["path"])
 
 
@@ -308,7 +315,7 @@ def test_chunks_used_twice_are_published_and_one_offs_are_not(tmp_path):
     keys = keys_of(3)
     put_chain(s, keys)
     assert shared_keys(tmp_path / "l3") == set()  # computed once: local only
-    assert s.get(keys[0]).tier == s.tiers[0].id    # used again
+    assert s.get(keys[0]).tier == s.tiers[0].id  # used again
     assert s.flush(10)
     assert shared_keys(tmp_path / "l3") == {keys[0]}
     assert s.stats.tiers["shared"].writes == 1
@@ -335,8 +342,8 @@ def test_second_node_finds_loads_and_promotes_shared_chunks(tmp_path):
     keys = keys_of(4)
     put_chain(a, keys)
     b = node(remote(tmp_path / "l3"))  # another machine: empty DRAM, same shared folder
-    assert b.lookup(keys) == []        # nothing known yet, and no I/O to find out
-    assert b.probe(keys)               # checks start in the background
+    assert b.lookup(keys) == []  # nothing known yet, and no I/O to find out
+    assert b.probe(keys)  # checks start in the background
     assert wait_known(b, keys) == [1, 1, 1, 1]
     e = b.get(keys[2])
     assert e.tier == b.tiers[1].id and e.tier.shared and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(2))
@@ -366,10 +373,10 @@ def test_background_listing_learns_entries_and_clears_debris(tmp_path):
     put_chain(a, keys)
     debris = tmp_path / "l3" / "ns" / keys[0][:2] / f"{keys[0]}.tmp-otherhost-1-dead"
     debris.write_bytes(b"partial")
-    os.utime(debris, (1e9, 1e9))                 # a writer that died long ago
+    os.utime(debris, (1e9, 1e9))  # a writer that died long ago
     b = remote(tmp_path / "l3", refresh_s=0.05)
     assert not b.contains(keys[2])
-    b.probe([])                                  # the scheduler's first ask starts the listing
+    b.probe([])  # the scheduler's first ask starts the listing
     deadline = time.monotonic() + 5
     while not all(b.contains(k) for k in keys) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -386,12 +393,12 @@ def test_entry_evicted_after_reuse_is_published_when_the_tier_is_back(tmp_path, 
     s = node(remote(tmp_path / "l3", fs, clock=clock, failure_threshold=1), dram=2 * ENTRY)
     keys = keys_of(3)
     put_chain(s, keys[:1])
-    s.get(keys[0])                      # reused, but the shared tier is down: skipped
+    s.get(keys[0])  # reused, but the shared tier is down: skipped
     assert s.flush(10)
     assert s.stats.tiers["shared"].unavailable >= 1
     type(fs).error = None
-    clock.t += 2                        # past the backoff
-    put_chain(s, keys[1:])              # DRAM holds two: keys[0] is evicted, and published
+    clock.t += 2  # past the backoff
+    put_chain(s, keys[1:])  # DRAM holds two: keys[0] is evicted, and published
     assert shared_keys(tmp_path / "l3") == {keys[0]}
     assert s.stats.tiers["dram"].demotions == 1
 
@@ -403,14 +410,14 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
     keys = keys_of(2)
     put_chain(a, keys)
     raw = open(l3 / "ns" / keys[0][:2] / keys[0], "rb").read()
-    decode(raw, NS, keys[0], b"k1")                 # published signed
+    decode(raw, NS, keys[0], b"k1")  # published signed
     with pytest.raises(UnsignedEntry, match="signature mismatch"):
         decode(raw, NS, keys[0], b"k2")
 
-    b = node(remote(l3), key=b"k2")                 # a node with another key
+    b = node(remote(l3), key=b"k2")  # a node with another key
     assert wait_known(b, keys) == [1, 1]
     assert b.get(keys[0]) is None and b.stats.tiers["shared"].corrupt == 1
-    assert b.lookup(keys) == []                     # ignored from now on...
+    assert b.lookup(keys) == []  # ignored from now on...
     assert (l3 / "ns" / keys[0][:2] / keys[0]).exists()  # ...but not deleted
 
     # an unsigned entry and one of another namespace dropped into the shared folder
@@ -425,11 +432,11 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
     c = node(remote(l3), key=b"k1")
     assert c.get(unsigned) is None and c.get(foreign) is None
     assert c.stats.tiers["shared"].corrupt == 2
-    assert c.get(keys[1]).tier == c.tiers[1].id     # the signed one is served
+    assert c.get(keys[1]).tier == c.tiers[1].id  # the signed one is served
 
 
 def test_truncated_writes_are_never_served(tmp_path):
-    fs = faulty_fs(truncate=True)                   # the backend loses half of each write
+    fs = faulty_fs(truncate=True)  # the backend loses half of each write
     a = node(remote(tmp_path / "l3", fs), mode="all")
     keys = keys_of(3)
     put_chain(a, keys)
@@ -499,29 +506,29 @@ def test_unreachable_tier_is_logged_once_skipped_and_retried_with_backoff(tmp_pa
     s = node(l3, mode="all")
     keys = keys_of(30)
     caplog.set_level(logging.WARNING, logger="cache")
-    for i, k in enumerate(keys):        # requests keep coming while L3 is down
+    for i, k in enumerate(keys):  # requests keep coming while L3 is down
         assert s.put(k, None, "uint8", (1000,), payload(i))
         s.probe([k])
         assert s.get(keys_of(1, seed=900)[0]) is None
     assert s.flush(10)
-    time.sleep(0.1)                     # let checks already in flight finish
+    time.sleep(0.1)  # let checks already in flight finish
     outage = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(outage) == 1 and len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
     assert not l3.up and l3.health.outages == 1
     calls = fs.calls
-    assert calls <= 8                   # three failures opened the breaker; then nothing
-    assert s.lookup(keys[-1:]) == [0]   # served from DRAM meanwhile
+    assert calls <= 8  # three failures opened the breaker; then nothing
+    assert s.lookup(keys[-1:]) == [0]  # served from DRAM meanwhile
     assert s.stats.tiers["shared"].unavailable > 0
 
-    clock.t += 1.5                      # first retry: still down, backoff doubles
+    clock.t += 1.5  # first retry: still down, backoff doubles
     assert s.get(keys_of(1, seed=901)[0]) is None
     assert fs.calls == calls + 1
-    clock.t += 1.5                      # inside the doubled backoff: no call
+    clock.t += 1.5  # inside the doubled backoff: no call
     s.get(keys_of(1, seed=902)[0])
     assert fs.calls == calls + 1
 
     type(fs).error = None
-    clock.t += 1.0                      # the next trial succeeds: back up, logged once
+    clock.t += 1.0  # the next trial succeeds: back up, logged once
     assert s.put(keys_of(1, seed=903)[0], None, "uint8", (1000,), payload(1), shared=True)
     assert s.flush(10)
     assert l3.up
@@ -556,8 +563,9 @@ def ask_until_answered(side, request, limit=5.0):
 
 
 def request(rid):
-    return types.SimpleNamespace(request_id=rid, prompt_token_ids=list(range(200)), lora_request=None,
-                                 mm_features=None, prompt_embeds=None)
+    return types.SimpleNamespace(
+        request_id=rid, prompt_token_ids=list(range(200)), lora_request=None, mm_features=None, prompt_embeds=None
+    )
 
 
 @pytest.mark.parametrize("case", ["present", "hanging", "down"])
@@ -591,9 +599,13 @@ def test_a_failed_shared_load_is_not_offered_again(tmp_path):
     req = request("a")
     assert ask_until_answered(side, req)[:2] == (192, False)  # nothing else running: synchronous
     side.update_state_after_alloc(req, types.SimpleNamespace(get_block_ids=lambda: (list(range(12)),)), 192)
-    (load,) = side.build_connector_meta(types.SimpleNamespace(
-        scheduled_new_reqs=[], num_scheduled_tokens={},
-        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_computed_tokens=[]))).loads
+    (load,) = side.build_connector_meta(
+        types.SimpleNamespace(
+            scheduled_new_reqs=[],
+            num_scheduled_tokens={},
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        )
+    ).loads
     assert load.chunks[2].block_ids == [4, 5]
     side.loads_failed({4, 5, 6, 7, 8, 9, 10, 11})  # chunk 2 failed, and everything after it
     assert ask_until_answered(side, request("b"))[:2] == (64, False)
@@ -608,9 +620,9 @@ def test_pacer_holds_transfers_to_the_link_rate():
         now[0] += s
 
     p = Pacer(1000.0, clock=lambda: now[0], sleep=sleep)
-    p.take(500)                   # idle link: 0.5 s
-    p.take(1000)                  # queued behind it: 1 s more
-    now[0] += 5.0                 # idle again
+    p.take(500)  # idle link: 0.5 s
+    p.take(1000)  # queued behind it: 1 s more
+    now[0] += 5.0  # idle again
     p.take(100, started=now[0] - 0.05)  # the transfer itself took 0.05 s of its 0.1 s
     assert slept == [0.5, 1.0, 0.05]
 
@@ -618,6 +630,7 @@ def test_pacer_holds_transfers_to_the_link_rate():
 def test_capped_shared_tier_paces_reads_and_writes(tmp_path):
     """Every entry byte written or read is charged to the link (the pacer's arithmetic
     is the test above): two entries written, then one read on another node."""
+
     class Charged(Pacer):
         def __init__(self, rate):
             super().__init__(rate)

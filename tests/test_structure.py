@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGES = ("cache", "serving")
-SETTINGS_READER = "cache/config.py"   # the one module that reads KVCACHE_* from an environment
+SETTINGS_READER = "cache/config.py"  # the one module that reads KVCACHE_* from an environment
 MAX_LINES = 400
 # Modules allowed to be longer, each because one cohesive algorithm needs the room (or, marked
 # so, until a branch not merged here splits it). An entry that is no longer needed fails.
@@ -37,14 +37,18 @@ def modules() -> dict[str, Path]:
 
 
 def sources(*folders: str) -> dict[str, ast.AST]:
-    return {str(p.relative_to(REPO)): ast.parse(p.read_text(), str(p))
-            for folder in folders for p in sorted((REPO / folder).rglob("*.py"))}
+    return {
+        str(p.relative_to(REPO)): ast.parse(p.read_text(), str(p))
+        for folder in folders
+        for p in sorted((REPO / folder).rglob("*.py"))
+    }
 
 
 # -- one reader of KVCACHE_* -------------------------------------------------------------------
 def _kvcache_reads(tree: ast.AST) -> list[int]:
     """Lines where a ``"KVCACHE_..."`` name is read from a mapping: ``x.get("KVCACHE_X")``,
     ``getenv(...)``, ``x["KVCACHE_X"]`` (not an assignment), ``"KVCACHE_X" in x``."""
+
     def named(node) -> bool:
         return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("KVCACHE_")
 
@@ -58,8 +62,11 @@ def _kvcache_reads(tree: ast.AST) -> list[int]:
                 lines.append(node.lineno)
         elif isinstance(node, ast.Subscript) and named(node.slice) and isinstance(node.ctx, ast.Load):
             lines.append(node.lineno)
-        elif isinstance(node, ast.Compare) and named(node.left) and any(
-                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+        elif (
+            isinstance(node, ast.Compare)
+            and named(node.left)
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+        ):
             lines.append(node.lineno)
     return lines
 
@@ -67,8 +74,9 @@ def _kvcache_reads(tree: ast.AST) -> list[int]:
 def test_kvcache_settings_are_read_in_one_module():
     # deploy/ is left out: its manifest checker reads KVCACHE_* names out of manifest files
     # (what a pod will be given), never from an environment.
-    found = {path: lines for path, tree in sources("cache", "serving", "bench").items()
-             if (lines := _kvcache_reads(tree))}
+    found = {
+        path: lines for path, tree in sources("cache", "serving", "bench").items() if (lines := _kvcache_reads(tree))
+    }
     assert list(found) == [SETTINGS_READER], found
 
 
@@ -80,14 +88,20 @@ _SPELLINGS = {"1", "true", "yes", "on", "0", "false", "no", "off"}
 def _spelling_lists(tree: ast.AST) -> list[int]:
     """Lines holding a tuple, list or set of two or more true/false spellings: a parser of
     its own in the making."""
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Tuple, ast.List, ast.Set))
-            and sum(isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value.lower() in _SPELLINGS
-                    for e in node.elts) >= 2]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+        and sum(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value.lower() in _SPELLINGS
+            for e in node.elts
+        )
+        >= 2
+    ]
 
 
 def test_true_false_values_have_one_parser():
-    found = {path: lines for path, tree in sources("cache", "serving").items()
-             if (lines := _spelling_lists(tree))}
+    found = {path: lines for path, tree in sources("cache", "serving").items() if (lines := _spelling_lists(tree))}
     assert list(found) == [FLAG_PARSER], found
 
 
@@ -97,8 +111,9 @@ def test_the_spelling_detector_sees_lists():
 
 
 def test_the_read_detector_sees_reads():
-    tree = ast.parse('import os\nos.environ.get("KVCACHE_X")\nenv["KVCACHE_Y"]\n"KVCACHE_Z" in env\n'
-                     'env["KVCACHE_W"] = "1"\n')
+    tree = ast.parse(
+        'import os\nos.environ.get("KVCACHE_X")\nenv["KVCACHE_Y"]\n"KVCACHE_Z" in env\nenv["KVCACHE_W"] = "1"\n'
+    )
     assert _kvcache_reads(tree) == [2, 3, 4]
 
 
@@ -187,7 +202,8 @@ def package_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in mods.items():
         unit = _unit(name, path)
         graph.setdefault(unit, set()).update(
-            u for m in _imports(name, path, set(mods)) if (u := _unit(m, mods[m])) != unit)
+            u for m in _imports(name, path, set(mods)) if (u := _unit(m, mods[m])) != unit
+        )
     return graph
 
 
@@ -201,15 +217,24 @@ def test_no_cycles_between_packages():
 
 
 def test_the_package_graph_joins_a_subpackage():
-    mods = {"cache.sizes": REPO / "cache/sizes.py", "cache.config": REPO / "cache/config.py",
-            "cache.tiers": REPO / "cache/tiers/__init__.py", "cache.tiers.layout": REPO / "cache/tiers/layout.py",
-            "serving.routes.ping": REPO / "serving/routes/ping.py"}
+    mods = {
+        "cache.sizes": REPO / "cache/sizes.py",
+        "cache.config": REPO / "cache/config.py",
+        "cache.tiers": REPO / "cache/tiers/__init__.py",
+        "cache.tiers.layout": REPO / "cache/tiers/layout.py",
+        "serving.routes.ping": REPO / "serving/routes/ping.py",
+    }
     assert {n: _unit(n, p) for n, p in mods.items()} == {
-        "cache.sizes": "cache.sizes", "cache.config": "cache.config", "cache.tiers": "cache.tiers",
-        "cache.tiers.layout": "cache.tiers", "serving.routes.ping": "serving.routes"}
+        "cache.sizes": "cache.sizes",
+        "cache.config": "cache.config",
+        "cache.tiers": "cache.tiers",
+        "cache.tiers.layout": "cache.tiers",
+        "serving.routes.ping": "serving.routes",
+    }
     # a loop through two files of one subpackage is a cycle of the package graph
-    assert _cycles({"cache.tiers": {"cache.config"}, "cache.config": {"cache.sizes"},
-                    "cache.sizes": {"cache.tiers"}}) == [frozenset({"cache.tiers", "cache.config", "cache.sizes"})]
+    assert _cycles(
+        {"cache.tiers": {"cache.config"}, "cache.config": {"cache.sizes"}, "cache.sizes": {"cache.tiers"}}
+    ) == [frozenset({"cache.tiers", "cache.config", "cache.sizes"})]
 
 
 # Imported once before the modules are tried, so that each try pays only for our code: a
@@ -254,8 +279,14 @@ def test_every_module_imports_on_its_own():
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", _TRY_EACH, json.dumps(sorted(modules())), *SHARED_IMPORTS],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", _TRY_EACH, json.dumps(sorted(modules())), *SHARED_IMPORTS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert not failed, "\n".join(f"{name}: {err}" for name, err in failed.items())
@@ -272,6 +303,9 @@ def test_modules_are_small_and_say_what_they_are(name):
 
 
 def test_long_module_allowances_are_still_needed():
-    stale = [rel for rel in LONG_MODULES
-             if not (REPO / rel).exists() or len((REPO / rel).read_text().splitlines()) <= MAX_LINES]
+    stale = [
+        rel
+        for rel in LONG_MODULES
+        if not (REPO / rel).exists() or len((REPO / rel).read_text().splitlines()) <= MAX_LINES
+    ]
     assert not stale, f"remove from LONG_MODULES: {stale}"

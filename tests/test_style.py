@@ -1,5 +1,5 @@
-"""Checked style (issue 29 item 5): ruff's lint rules over the tree and mypy over cache/ and
-serving/, both as pyproject.toml configures them, so the README's test command and CI
+"""Checked style (issue 29 item 5): ruff's formatter and lint rules over the tree and mypy over
+cache/ and serving/, all as pyproject.toml configures them, so the README's test command and CI
 (``.ci/run``) run them. Both are test dependencies (``docker/install.sh``); each check
 takes a few seconds (mypy keeps an incremental cache in ``.mypy_cache``).
 
@@ -25,23 +25,39 @@ SLF001_ALLOWED: dict[str, str] = {}
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True,
-                              timeout=600)
+        return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
     except FileNotFoundError as e:  # pragma: no cover - the interpreter itself is missing
         raise AssertionError(f"cannot run {args[0]}: {e}") from None
 
 
 def _require(tool: str) -> None:
     out = _run(tool, "--version")
-    assert out.returncode == 0, (f"{tool} is not installed in {sys.prefix}: it is a test dependency "
-                                 f"(bash docker/install.sh cpu installs it)\n{out.stderr}")
+    assert out.returncode == 0, (
+        f"{tool} is not installed in {sys.prefix}: it is a test dependency "
+        f"(bash docker/install.sh cpu installs it)\n{out.stderr}"
+    )
 
 
 def test_ruff_check_passes():
     _require("ruff")
     out = _run("ruff", "check", "--no-fix", "--output-format", "concise", ".")
-    assert out.returncode == 0, ("ruff check found problems (`ruff check --fix` repairs the safe ones):\n"
-                                 + out.stdout + out.stderr)
+    assert out.returncode == 0, (
+        "ruff check found problems (`ruff check --fix` repairs the safe ones):\n" + out.stdout + out.stderr
+    )
+
+
+def test_the_tree_is_formatted():
+    _require("ruff")
+    out = _run("ruff", "format", "--check", ".")
+    assert out.returncode == 0, "files not formatted (`ruff format` formats them):\n" + out.stdout + out.stderr
+
+
+def test_the_format_check_catches_a_file_left_unformatted(tmp_path):
+    _require("ruff")
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    (tmp_path / "mod.py").write_text("x = {'a':1}\n")
+    out = _run("ruff", "format", "--check", "mod.py", cwd=tmp_path)
+    assert out.returncode == 1 and "mod.py" in out.stdout, out.stdout + out.stderr
 
 
 def test_mypy_passes():
@@ -61,12 +77,14 @@ def test_private_member_rule_catches_a_reach_into_another_object(tmp_path):
     """The rule as configured flags ``other._private`` and lets ``self._own`` pass."""
     _require("ruff")
     (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
-    (tmp_path / "mod.py").write_text(textwrap.dedent("""\
+    (tmp_path / "mod.py").write_text(
+        textwrap.dedent("""\
         class A:
             def __init__(self, other: "A") -> None:
                 self._own = 1
                 self.theirs = other._own
-        """))
+        """)
+    )
     out = _run("ruff", "check", "--no-fix", "--output-format", "concise", "mod.py", cwd=tmp_path)
     assert out.returncode == 1 and "mod.py:4:" in out.stdout and "SLF001" in out.stdout, out.stdout + out.stderr
     assert out.stdout.count("SLF001") == 1, out.stdout

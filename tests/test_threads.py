@@ -25,9 +25,16 @@ def _affinity(tid: int) -> set[int]:
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to tell compute cores from spare ones")
 def test_every_cache_thread_runs_on_the_spare_cpus(tmp_path):
     compute, spare = {CPUS[0]}, frozenset(CPUS[1:])
-    cfg = build_cache_config({"KVCACHE_DRAM_PATH": str(tmp_path / "shm"), "KVCACHE_DRAM_SIZE": "8MiB",
-                              "KVCACHE_DISK_PATH": str(tmp_path / "disk"), "KVCACHE_DISK_SIZE": "8MiB",
-                              "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3", "KVCACHE_SHARED_ADMISSION": "all"})
+    cfg = build_cache_config(
+        {
+            "KVCACHE_DRAM_PATH": str(tmp_path / "shm"),
+            "KVCACHE_DRAM_SIZE": "8MiB",
+            "KVCACHE_DISK_PATH": str(tmp_path / "disk"),
+            "KVCACHE_DISK_SIZE": "8MiB",
+            "KVCACHE_SHARED_URL": f"file://{tmp_path}/l3",
+            "KVCACHE_SHARED_ADMISSION": "all",
+        }
+    )
     ns = Namespace("m", "d", "uint8", "x")
     built = {}
     # Other tests' tiers may leave threads. Thread objects, not idents: a thread that ends
@@ -51,8 +58,11 @@ def test_every_cache_thread_runs_on_the_spare_cpus(tmp_path):
         names = {}
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            names = {th.name: th.native_id for th in threading.enumerate()
-                     if th.name.startswith("kvcache-") and th not in before}
+            names = {
+                th.name: th.native_id
+                for th in threading.enumerate()
+                if th.name.startswith("kvcache-") and th not in before
+            }
             if all(_affinity(tid) == set(spare) for tid in names.values()):
                 break
             time.sleep(0.05)

@@ -83,7 +83,6 @@ class TestFileTier(TierContract):
         assert theirs.reserve(40, other) and not theirs.write(other, [b"y" * 40], 40)
         assert dict(ours.scan()) == {other: 40} and ours.used_bytes() == 40
 
-
     def test_an_entry_cut_short_from_outside_leaves_no_bytes_counted(self, tmp_path):
         """The account loses what an entry was counted for, not what is left of it."""
         t, other = self.make(tmp_path, 100), "cd" * 16

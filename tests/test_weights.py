@@ -22,8 +22,7 @@ GB = 10**9
 def shard(path, seed: int, names=("a.weight", "b.weight", "norm.weight"), rows=512) -> None:
     """A safetensors file of bfloat16-sized (uint16) random tensors."""
     rng = np.random.default_rng(seed)
-    tensors = {n: rng.integers(0, 2**16, (rows if n != "norm.weight" else 1, 1024), dtype=np.uint16)
-               for n in names}
+    tensors = {n: rng.integers(0, 2**16, (rows if n != "norm.weight" else 1, 1024), dtype=np.uint16) for n in names}
     save_file(tensors, str(path))
 
 
@@ -105,9 +104,14 @@ def sparse_safetensors(path, size: int, tensors: int) -> int:
         raw = json.dumps(header).encode()
         data = size - 8 - len(raw)
         each = data // tensors
-        header = {f"model.layers.{i // 9}.w{i % 9}": {"dtype": "BF16", "shape": [each // 2],
-                                                      "data_offsets": [i * each, (i + 1) * each]}
-                  for i in range(tensors)}
+        header = {
+            f"model.layers.{i // 9}.w{i % 9}": {
+                "dtype": "BF16",
+                "shape": [each // 2],
+                "data_offsets": [i * each, (i + 1) * each],
+            }
+            for i in range(tensors)
+        }
         if len(json.dumps(header).encode()) == n:
             break
         n = len(json.dumps(header).encode())
@@ -149,7 +153,7 @@ def test_other_formats_are_sampled_over_every_file(tmp_path):
     data = bytearray(os.urandom(64 << 20))
     (small / "model.gguf").write_bytes(data)
     before = fingerprint(str(small)).digest
-    data[(32 << 20):(33 << 20)] = os.urandom(1 << 20)  # one MiB rewritten, mid-file
+    data[(32 << 20) : (33 << 20)] = os.urandom(1 << 20)  # one MiB rewritten, mid-file
     (small / "model.gguf").write_bytes(data)
     assert fingerprint(str(small)).digest != before
     assert fingerprint(str(small / "model.gguf")).digest == fingerprint(str(small)).digest  # one file
@@ -171,10 +175,12 @@ def test_an_unknown_mode_is_refused(model):
 def fake_engine(path: str):
     """The parts of ``VllmConfig``/``KVCacheConfig`` ``engine_namespace`` reads."""
     model = SimpleNamespace(model=path, revision=None, quantization=None, hf_config={"a": 1})
-    vllm = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1,
-                                                                               pipeline_parallel_size=1),
-                           cache_config=SimpleNamespace(cache_dtype="auto"),
-                           load_config=SimpleNamespace(download_dir=None))
+    vllm = SimpleNamespace(
+        model_config=model,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        load_config=SimpleNamespace(download_dir=None),
+    )
     kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec="spec", layer_names=["l0"])])
     return vllm, kv
 
@@ -199,8 +205,9 @@ def test_the_server_takes_it_once_for_every_process(model):
     from serving.weights import with_weights_fingerprint
 
     def settings(cache):
-        return EngineSettings(vllm_args=("--model", str(model), "--kv-transfer-config",
-                                         json.dumps(kv_transfer_config(cache))))
+        return EngineSettings(
+            vllm_args=("--model", str(model), "--kv-transfer-config", json.dumps(kv_transfer_config(cache)))
+        )
 
     def taken(out):
         return json.loads(out.vllm_args[3])["kv_connector_extra_config"]["kvcache_config"]["weights_fingerprint"]
@@ -208,8 +215,9 @@ def test_the_server_takes_it_once_for_every_process(model):
     assert taken(with_weights_fingerprint(settings(CacheConfig()))) == fingerprint(str(model)).digest
     full = with_weights_fingerprint(settings(CacheConfig(weights_hash="full")))
     assert taken(full) == fingerprint(str(model), "full").digest
-    hub = EngineSettings(vllm_args=("--model", "org/name", "--kv-transfer-config",
-                                    json.dumps(kv_transfer_config(CacheConfig()))))
+    hub = EngineSettings(
+        vllm_args=("--model", "org/name", "--kv-transfer-config", json.dumps(kv_transfer_config(CacheConfig())))
+    )
     assert with_weights_fingerprint(hub) == hub  # not on disk yet: each process takes it
 
 
@@ -229,7 +237,7 @@ def test_lora_adapters_are_told_apart_by_content_not_name(tmp_path):
     salts = Salts()
     req = lambda path, name: SimpleNamespace(lora_request=lora(path, name), cache_salt=None)  # noqa: E731
     one, two = salts(req(tmp_path / "one", "same-name")), salts(req(tmp_path / "two", "same-name"))
-    assert one and one != two                       # one name, two adapters
+    assert one and one != two  # one name, two adapters
     assert salts(req(tmp_path / "copy", "other-name")) == one  # one adapter, two names
     assert salts(SimpleNamespace(lora_request=None, cache_salt=None)) == ""
     # taken once per adapter: its files are not read again

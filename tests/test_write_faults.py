@@ -30,7 +30,7 @@ def test_causes():
     assert cause_of(OSError(errno.EROFS, "Read-only file system")) == "read_only"
     wrapped = SharedUnavailable("shared: write failed")
     wrapped.__cause__ = OSError(errno.EDQUOT, "Disk quota exceeded")
-    assert cause_of(wrapped) == "quota"                       # the filesystem's reason, not the wrapper's
+    assert cause_of(wrapped) == "quota"  # the filesystem's reason, not the wrapper's
     assert cause_of(SharedUnavailable("shared tier is down")) == "unavailable"
     assert cause_of(TimeoutError("late")) == "timeout"
     assert cause_of(OSError(errno.EXDEV, "cross-device")) == "os_error"
@@ -40,8 +40,10 @@ def test_causes():
 def failing_writes(monkeypatch, err):
     """Every file write fails with ``err`` (a unit test's stand-in for a full disk; the
     engine test fills a real filesystem)."""
+
     def writev(fd, buffers):
         raise OSError(err, os.strerror(err))
+
     monkeypatch.setattr(os, "writev", writev)
 
 
@@ -60,7 +62,7 @@ def test_a_full_disk_is_counted_by_cause_and_logged_once_per_episode(tmp_path, m
     with monkeypatch.context() as m:
         failing_writes(m, errno.ENOSPC)
         put_chain(s, keys[:5])
-        failing_writes(m, errno.EROFS)                      # a second cause in the same episode
+        failing_writes(m, errno.EROFS)  # a second cause in the same episode
         put_chain(s, keys[5:7])
     assert s.counters()["write_failure:no_space:disk"] == 5
     assert s.counters()["write_failure:read_only:disk"] == 2
@@ -71,7 +73,7 @@ def test_a_full_disk_is_counted_by_cause_and_logged_once_per_episode(tmp_path, m
     assert len(logged) == 2, logged
     assert "writes to the disk tier are failing (no space left" in logged[0]
     assert "also fail (read-only" in logged[1]
-    put_chain(s, keys[7:])                                  # space again: the episode ends, logged once
+    put_chain(s, keys[7:])  # space again: the episode ends, logged once
     logged = messages(caplog)
     assert len(logged) == 3 and "succeed again, after 7 failed" in logged[2], logged
     assert "no_space: 5" in logged[2] and "read_only: 2" in logged[2]
@@ -100,8 +102,9 @@ def test_write_failures_reach_prometheus_with_tier_and_cause(tmp_path, monkeypat
 
     registry = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-    prom = TieredKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
-                               {0: ["m", "0"]})
+    prom = TieredKVPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
     s = store(tmp_path, dram=0)
     delta = StatsDelta()
     with monkeypatch.context() as m:
@@ -123,7 +126,7 @@ def test_damaged_entries_are_detected_in_either_tier(tmp_path, tier, damage):
     s = store(tmp_path, dram=20 * 1300)
     keys = chunk_keys(NS, list(range(2 * 16)), 16)
     put_chain(s, keys)
-    s.persist(keys)                                         # both chunks in DRAM and on disk
+    s.persist(keys)  # both chunks in DRAM and on disk
     assert s.flush(10)
     t = 0 if tier == "dram" else 1
     for key in keys:
@@ -159,7 +162,7 @@ def test_a_shared_folder_removed_while_in_use_fails_nothing_and_is_made_again(tm
     first = keys_of(6)
     put_chain(s, first)
     assert all(l3.contains(k) for k in first)
-    shutil.rmtree(root)                                     # gone while serving
+    shutil.rmtree(root)  # gone while serving
     # reads of what it held are misses; the DRAM copies still serve
     assert [s.get(k).tier for k in first] == [s.tiers[0].id] * 6
     for k in first:

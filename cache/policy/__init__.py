@@ -14,5 +14,14 @@ from .base import Decision, EvictionPolicy, Key, Offer
 from .lru import LRUPolicy
 from .registry import DEFAULT_POLICY, POLICIES, make_policy, policy_names
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "Decision", "EvictionPolicy", "Key", "LRUPolicy", "Offer",
-           "make_policy", "policy_names"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "Decision",
+    "EvictionPolicy",
+    "Key",
+    "LRUPolicy",
+    "Offer",
+    "make_policy",
+    "policy_names",
+]

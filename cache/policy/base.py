@@ -57,9 +57,9 @@ class Offer(enum.Enum):
     """What became of a chunk offered to a tier through ``EvictionPolicy.offer``."""
 
     STORED = "stored"
-    REFUSED = "refused"            # the policy's admission said no
-    NO_ROOM = "no room"            # nothing left to evict and still no room
-    NOT_WRITTEN = "not written"    # the caller's write failed or did not publish
+    REFUSED = "refused"  # the policy's admission said no
+    NO_ROOM = "no room"  # nothing left to evict and still no room
+    NOT_WRITTEN = "not written"  # the caller's write failed or did not publish
 
 
 @dataclass(frozen=True)

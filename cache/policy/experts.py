@@ -32,15 +32,15 @@ _MASK = (1 << KEY_BITS) - 1
 
 
 def _k(key: int) -> int:
-    return (key & _MASK) + 1        # 0 is "no key" in ``Slots``
+    return (key & _MASK) + 1  # 0 is "no key" in ``Slots``
 
 
 class Compact(EvictionPolicy[int]):
     """An expert in compact storage (``self._s``) that can shed keys in small steps
     (``thin``: what a miniature simulation does when its sampling rate drops)."""
 
-    _s: Slots                              # set by each expert
-    history: Optional[FrequencySketch]     # the admission filter's (``PrefixLRU``) only
+    _s: Slots  # set by each expert
+    history: Optional[FrequencySketch]  # the admission filter's (``PrefixLRU``) only
     capacity: int
 
     def rescale(self, factor: float) -> None:
@@ -62,7 +62,7 @@ class Compact(EvictionPolicy[int]):
         end = min(len(keys), start + steps)
         for slot in range(start, end):
             k = keys[slot]
-            if k > limit:               # stored as key + 1
+            if k > limit:  # stored as key + 1
                 self.forget(k - 1)
         return 0 if end >= len(keys) else end
 
@@ -77,20 +77,26 @@ class PrefixLRU(Compact):
     """
 
     name = "prefix-lru"
-    _LIST = 1                       # the recency list's sentinel
-    _PARKED = 1                     # tag: out of the list while it has children
+    _LIST = 1  # the recency list's sentinel
+    _PARKED = 1  # tag: out of the list while it has children
 
-    def __init__(self, *, last_tier: bool = True, history: Optional[FrequencySketch] = None,
-                 capacity: int = 0, count: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        last_tier: bool = True,
+        history: Optional[FrequencySketch] = None,
+        capacity: int = 0,
+        count: bool = False,
+    ) -> None:
         super().__init__(last_tier=last_tier)
         self.history = history
         self.capacity = capacity
         self._count = count and history is not None
         self._s = Slots(lists=1, extra="iib", keycode="q")
         self._parent, self._nchild, self._tag = self._s.extra
-        self._refused = 0               # last key refused with its chain (internal form)
-        self._evicted: list = []        # keys removed since the last admit
-        self._orphan = 0                # last key stored after its parent went for it
+        self._refused = 0  # last key refused with its chain (internal form)
+        self._evicted: list = []  # keys removed since the last admit
+        self._orphan = 0  # last key stored after its parent went for it
 
     def _place(self, slot: int) -> None:
         s = self._s
@@ -108,13 +114,13 @@ class PrefixLRU(Compact):
         if parent is not None:
             pk = _k(parent)
             if pk == self._refused or (pk == self._orphan and not self._s.find(pk)):
-                self._refused = k       # the rest of a chain that cannot be hit here
+                self._refused = k  # the rest of a chain that cannot be hit here
                 return False
         if hist is None:
             return True
         if not self.capacity or len(self) < self.capacity or hist.estimate(key) >= 2:
             return True
-        self._refused = k               # a first sighting while full
+        self._refused = k  # a first sighting while full
         return False
 
     def insert(self, key: int, parent: Optional[int], size: int) -> None:
@@ -127,8 +133,8 @@ class PrefixLRU(Compact):
             self._nchild[p] += 1
             self._place(slot)
         elif parent is not None and self.last_tier and _k(parent) in self._evicted:
-            s.link_head(slot, self._LIST)   # its parent went to make room for it:
-            self._orphan = k                # worthless here, first in line
+            s.link_head(slot, self._LIST)  # its parent went to make room for it:
+            self._orphan = k  # worthless here, first in line
         else:
             self._place(slot)
 
@@ -151,15 +157,15 @@ class PrefixLRU(Compact):
         p = parent[slot]
         if self.last_tier:
             self._evicted.append(s.key[slot])
-        s.drop(slot, release=nchild[slot] == 0)   # a parent's slot outlives it
+        s.drop(slot, release=nchild[slot] == 0)  # a parent's slot outlives it
         if p:
             nchild[p] -= 1
             if nchild[p] == 0:
                 if not s.key[p]:
-                    s.release(p)                    # its last child went
+                    s.release(p)  # its last child went
                 elif self._tag[p] == self._PARKED:
                     self._tag[p] = 0
-                    s.link_head(p, self._LIST)      # a leaf again: next in line
+                    s.link_head(p, self._LIST)  # a leaf again: next in line
 
     def victim(self) -> Optional[int]:
         s = self._s
@@ -170,12 +176,12 @@ class PrefixLRU(Compact):
                 return None
             if nchild[slot] == 0:
                 return s.key[slot] - 1
-            s.unlink(slot)                          # a parent goes after its children
+            s.unlink(slot)  # a parent goes after its children
             self._tag[slot] = self._PARKED
 
     def forget(self, key: int) -> None:
         self.remove(key)
-        self._evicted.clear()           # not an eviction: no orphan rule for it
+        self._evicted.clear()  # not an eviction: no orphan rule for it
 
     def __contains__(self, key: int) -> bool:
         return self._s.find(_k(key)) > 0
@@ -212,20 +218,19 @@ class S3FIFO(_ListedSlots):
     name = "s3fifo-compact"
     SMALL_RATIO = 0.10
     GHOST_RATIO = 0.90
-    _SMALL, _MAIN, _GHOST = 1, 2, 3     # sentinels, and the ``where`` tag of a slot
+    _SMALL, _MAIN, _GHOST = 1, 2, 3  # sentinels, and the ``where`` tag of a slot
 
     def __init__(self, *, last_tier: bool = True) -> None:
         super().__init__(last_tier=last_tier)
         self._s = Slots(lists=3, extra="bb", keycode="q")
         self._freq, self._where = self._s.extra
-        self._n = [0, 0, 0, 0]          # slots per list
-
+        self._n = [0, 0, 0, 0]  # slots per list
 
     def insert(self, key: int, parent: Optional[int], size: int) -> None:
         s = self._s
         k = _k(key)
         slot = s.find(k)
-        if slot:                        # a ghost: straight to main
+        if slot:  # a ghost: straight to main
             self._move(slot, self._MAIN)
         else:
             slot = s.add(k)
@@ -286,17 +291,16 @@ class ARC(_ListedSlots):
     (same decisions on every trace; a test checks it)."""
 
     name = "arc-compact"
-    _T1, _T2, _B1, _B2 = 1, 2, 3, 4     # sentinels, and the ``where`` tag of a slot
+    _T1, _T2, _B1, _B2 = 1, 2, 3, 4  # sentinels, and the ``where`` tag of a slot
 
     def __init__(self, *, last_tier: bool = True) -> None:
         super().__init__(last_tier=last_tier)
         self._s = Slots(lists=4, extra="b", keycode="q")
-        self._where, = self._s.extra
-        self._n = [0, 0, 0, 0, 0]       # slots per list
+        (self._where,) = self._s.extra
+        self._n = [0, 0, 0, 0, 0]  # slots per list
         self._p = 0.0
         self._c = 1
         self._incoming_in_b2 = False
-
 
     def rescale(self, factor: float) -> None:
         """The key space it sees shrank by ``factor`` (a lower sampling rate): so do its
@@ -326,7 +330,7 @@ class ARC(_ListedSlots):
         s, n = self._s, self._n
         k = _k(key)
         slot = s.find(k)
-        if slot:                        # a ghost (B1 or B2): to T2
+        if slot:  # a ghost (B1 or B2): to T2
             self._move(slot, self._T2)
         else:
             slot = s.add(k)
@@ -357,8 +361,7 @@ class ARC(_ListedSlots):
     def victim(self) -> Optional[int]:
         n, s = self._n, self._s
         t1 = n[self._T1]
-        if t1 and (t1 > self._p or (self._incoming_in_b2 and t1 == int(self._p))
-                   or not n[self._T2]):
+        if t1 and (t1 > self._p or (self._incoming_in_b2 and t1 == int(self._p)) or not n[self._T2]):
             return s.key[s.first(self._T1)] - 1
         slot = s.first(self._T2)
         return s.key[slot] - 1 if slot else None

@@ -148,7 +148,7 @@ class RateOraclePolicy(OfflinePolicy):
                 uses[key] = uses.get(key, 0) + 1
                 prev = key
         self._rank: Dict[Key, Tuple[float, int]] = {}
-        for key in first:               # dicts keep first-use order: parents come first
+        for key in first:  # dicts keep first-use order: parents come first
             until = last[key] if span else n
             rate = (uses[key] - 1) / max(1, until - first[key])
             par = parent[key]
@@ -198,7 +198,7 @@ class RateOraclePolicy(OfflinePolicy):
         return heap[0] if heap else None
 
     def victim(self) -> Optional[Key]:
-        if self._last is not None:             # a dead chunk first
+        if self._last is not None:  # a dead chunk first
             top = self._top(self._by_last)
             if top is not None and top[0] <= self._now:
                 return top[2]
@@ -210,4 +210,3 @@ class RateOraclePolicy(OfflinePolicy):
 
     def __len__(self) -> int:
         return len(self._present)
-

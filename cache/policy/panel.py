@@ -87,26 +87,26 @@ from .base import EvictionPolicy
 from .experts import ARC, S3FIFO, Compact, PrefixLRU
 from .sketch import FrequencySketch
 
-KEY_SPACE = 1 << 62              # fingerprints are 62-bit (``cache.policy.slots``)
+KEY_SPACE = 1 << 62  # fingerprints are 62-bit (``cache.policy.slots``)
 _UNBOUNDED = 1 << 62
 
 
 class ExpertPanel:
     """The experts, their (sampled) simulation and the leader choice (module docstring)."""
 
-    Z = 1.0                 # standard errors a challenger must lead by, experts sampled ...
-    Z_EXACT = 0.5           # ... and exact (module docstring: what a switch costs)
-    BATCH = 64              # sampled accesses per evidence sample (a chain's hits come together)
-    HORIZON = 16            # evidence decays over this many capacities of accesses ...
+    Z = 1.0  # standard errors a challenger must lead by, experts sampled ...
+    Z_EXACT = 0.5  # ... and exact (module docstring: what a switch costs)
+    BATCH = 64  # sampled accesses per evidence sample (a chain's hits come together)
+    HORIZON = 16  # evidence decays over this many capacities of accesses ...
     MIN_WINDOW = 64 * BATCH  # ... and never over fewer than 64 batches
     SAMPLED_SLOTS = 1 << 17  # simulated exactly up to this capacity; sampled beyond
-    THIN = 32               # slots per expert checked per access after the rate drops
+    THIN = 32  # slots per expert checked per access after the rate drops
 
     def __init__(self, *, last_tier: bool, history: FrequencySketch) -> None:
         self.last_tier = last_tier
         self.experts: List[Compact] = [PrefixLRU(last_tier=last_tier), ARC(), S3FIFO()]
         self.names = ["prefix-lru", "arc", "s3fifo"]
-        self.admission: Optional[int] = None     # the expert with an admission filter
+        self.admission: Optional[int] = None  # the expert with an admission filter
         if last_tier:
             self.admission = len(self.experts)
             self.experts.append(PrefixLRU(history=history))
@@ -114,25 +114,25 @@ class ExpertPanel:
         k = len(self.experts)
         self.lead = self.admission if self.admission is not None else 0
         self.switches = 0
-        self.backoff = 1                         # evidence multiplier after reverted switches
-        self._prev = -1                          # the leader before the last switch ...
-        self._since = 0                          # ... and sampled accesses since it
-        self._calm = 0                           # sampled accesses since the last halving
-        self.shift = 0                           # rate = 2 ** -shift
-        self.limit = KEY_SPACE                   # fingerprints below it are simulated
-        self.cap = 0                             # the tier's capacity ...
-        self.scap = 0                            # ... scaled by the rate
+        self.backoff = 1  # evidence multiplier after reverted switches
+        self._prev = -1  # the leader before the last switch ...
+        self._since = 0  # ... and sampled accesses since it
+        self._calm = 0  # sampled accesses since the last halving
+        self.shift = 0  # rate = 2 ** -shift
+        self.limit = KEY_SPACE  # fingerprints below it are simulated
+        self.cap = 0  # the tier's capacity ...
+        self.scap = 0  # ... scaled by the rate
         self.full = False
-        self.last = 0                            # fingerprint of the last access
-        self._lanc = 0                           # its nearest sampled ancestor-or-self
-        self._slast = 0                          # the last sampled access
-        self._hit = [False] * k                  # each expert's verdict on it
-        self.batch = [0] * k                    # this batch's hits, per expert
-        self._score = [0.0] * k                  # decayed sums of batch hits ...
+        self.last = 0  # fingerprint of the last access
+        self._lanc = 0  # its nearest sampled ancestor-or-self
+        self._slast = 0  # the last sampled access
+        self._hit = [False] * k  # each expert's verdict on it
+        self.batch = [0] * k  # this batch's hits, per expert
+        self._score = [0.0] * k  # decayed sums of batch hits ...
         self._sq = [[0.0] * k for _ in range(k)]  # ... and of squared pairwise differences
         self.nacc = 0
-        self._bound = _UNBOUNDED                 # entries an expert may hold
-        self._thin = [0] * k                     # per expert: next slot to thin, 0: done
+        self._bound = _UNBOUNDED  # entries an expert may hold
+        self._thin = [0] * k  # per expert: next slot to thin, 0: done
         self._thinning = False
         self._room = [self._room_for(e) for e in self.experts]
 
@@ -179,8 +179,7 @@ class ExpertPanel:
         return type(e)(last_tier=self.last_tier)
 
     # -------------------------------------------------------------------- access
-    def access(self, k: int, pk: int,
-               evict: Optional[Callable[[int], None]] = None) -> None:
+    def access(self, k: int, pk: int, evict: Optional[Callable[[int], None]] = None) -> None:
         """Every expert serves one access of fingerprint ``k`` (parent ``pk``, 0: none)
         if it is sampled; ``evict`` hears what the leader drops."""
         if not pk:
@@ -203,7 +202,7 @@ class ExpertPanel:
             if k in e:
                 h = not anc or (hit[i] if anc == last else anc in e)
                 if h:
-                    e.touch(k)                     # a hit there (else recomputed: no touch)
+                    e.touch(k)  # a hit there (else recomputed: no touch)
             else:
                 h = False
                 e.offer(k, parent, 1, room[i], evict=evict if i == lead else None)
@@ -225,7 +224,7 @@ class ExpertPanel:
         if not any(thin):
             self._thinning = False
             if self.full:
-                self._bound = self.scap          # thinned: hold the scaled capacity
+                self._bound = self.scap  # thinned: hold the scaled capacity
 
     def weigh(self) -> bool:
         """One batch of evidence; switch to the challenger that leads the leader by more
@@ -256,13 +255,12 @@ class ExpertPanel:
         best, best_by = -1, 0.0
         for i in range(k):
             by = score[i] - score[lead]
-            if (i != lead and by > self.backoff * (z * sq[i][lead] ** 0.5 + 1.0)
-                    and by > best_by):
+            if i != lead and by > self.backoff * (z * sq[i][lead] ** 0.5 + 1.0) and by > best_by:
                 best, best_by = i, by
         if best < 0:
             return False
         if best == self._prev and self._since < window:
-            self.backoff *= 2                    # the last switch undone: double
+            self.backoff *= 2  # the last switch undone: double
         self._prev, self._since, self._calm = lead, 0, 0
         self.lead = best
         self.switches += 1

@@ -75,28 +75,28 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     """Mirrors whichever of its experts serves the most prefix hits (module docstring)."""
 
     name = "prefix-adaptive"
-    SKETCH_SAMPLE = 10      # TinyLFU: counters halve every 10 widths of accesses
-    REBUILD = 8             # tier slots re-checked per access after a switch
-    _EXTRA = 1              # the list of chunks the leader does not hold (sentinel)
+    SKETCH_SAMPLE = 10  # TinyLFU: counters halve every 10 widths of accesses
+    REBUILD = 8  # tier slots re-checked per access after a switch
+    _EXTRA = 1  # the list of chunks the leader does not hold (sentinel)
 
     def __init__(self, *, last_tier: bool = True) -> None:
         super().__init__(last_tier=last_tier)
-        self._s = Slots(lists=1, extra="q")        # per slot: the parent's fingerprint
-        self._pkey, = self._s.extra
-        self._keys: List[Optional[Key]] = [None, None]   # the store's key objects, by slot
+        self._s = Slots(lists=1, extra="q")  # per slot: the parent's fingerprint
+        (self._pkey,) = self._s.extra
+        self._keys: List[Optional[Key]] = [None, None]  # the store's key objects, by slot
         self._hist = FrequencySketch(64, self.SKETCH_SAMPLE * 64)
         self.panel = ExpertPanel(last_tier=last_tier, history=self._hist)
         self._actor: Optional[Compact] = None  # the leader at full scale, once sampled
-        self._ahit = False                         # its verdict on the last access
-        self._olds: List[Compact] = []      # former actors, drained first
+        self._ahit = False  # its verdict on the last access
+        self._olds: List[Compact] = []  # former actors, drained first
         self._cap = 0
         self._full = False
         self._tick = 0
-        self._admitted = 0                         # fingerprint of the last admit
-        self._rebuild = 0                          # next slot to re-check after a switch
+        self._admitted = 0  # fingerprint of the last admit
+        self._rebuild = 0  # next slot to re-check after a switch
         self._victim = 0
-        self._protect: Dict[int, int] = {}         # slot -> tick until which it stays
-        self._expect: Dict[int, int] = {}          # absent hinted fingerprint -> tick
+        self._protect: Dict[int, int] = {}  # slot -> tick until which it stays
+        self._expect: Dict[int, int] = {}  # absent hinted fingerprint -> tick
 
     @property
     def switches(self) -> int:
@@ -134,8 +134,8 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             if not held:
                 migrate = bool(self._olds) and any(k in o for o in self._olds)
                 a.offer(k, pk or None, 1, self._actor_room, evict=self._on_leader_evict)
-                held = migrate and k in a          # a former leader's chunk, used again:
-            if held:                               # the new one learns it as a reuse
+                held = migrate and k in a  # a former leader's chunk, used again:
+            if held:  # the new one learns it as a reuse
                 h = not pk or (self._ahit if pk == panel.last else pk in a)
                 if h:
                     a.touch(k)
@@ -143,11 +143,11 @@ class PrefixAdaptivePolicy(EvictionPolicy):
                 h = False
             self._ahit = h
             if self._olds and k in a:
-                self._forget_old(k)                # the new leader holds it now
+                self._forget_old(k)  # the new leader holds it now
             panel.access(k, pk)
         slot = self._s.find(k)
         if slot and self._s.linked(slot) and k in a:
-            self._s.unlink(slot)                   # the leader holds it again
+            self._s.unlink(slot)  # the leader holds it again
         if self._rebuild:
             self._rebuild_step()
         if panel.nacc >= panel.BATCH and panel.weigh():
@@ -176,7 +176,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         fills (``_actor_room``), in its own eviction order, so the tier turns over to the
         new policy within about a turnover and without an O(n) pass."""
         if self._actor is None:
-            self._rebuild = 2                      # slot 1 is the list's sentinel
+            self._rebuild = 2  # slot 1 is the list's sentinel
         else:
             self._olds.append(self._actor)
             self._actor = self.panel.make(self.panel.lead)
@@ -192,7 +192,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
     def _drop_empty_olds(self) -> None:
         self._olds = [o for o in self._olds if len(o)]
         if not self._olds:
-            self._size_actor()                     # drained: the usual capacity again
+            self._size_actor()  # drained: the usual capacity again
 
     def _rebuild_step(self, steps: int = 0) -> None:
         """Re-check ``REBUILD`` tier slots against the new leader: a chunk it does not
@@ -254,7 +254,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         if not self._full or not self.last_tier:
             return True
         if self._expect and self._expect.get(k, -1) >= self._tick:
-            return True                                 # a queued request needs it
+            return True  # a queued request needs it
         return k in self._lead_policy()
 
     def insert(self, key: Key, parent: Optional[Key], size: int) -> None:
@@ -263,7 +263,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             return
         pk = fingerprint(parent) if parent is not None else 0
         if k != self._admitted:
-            self._access(k, pk)                         # taught without an admit (restart)
+            self._access(k, pk)  # taught without an admit (restart)
         self._admitted = 0
         s = self._s
         slot = s.add(k)
@@ -273,7 +273,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
             self._keys[slot] = key
         self._pkey[slot] = pk
         if k not in self._lead_policy():
-            s.link_before(slot, self._EXTRA)            # stored against the leader's advice
+            s.link_before(slot, self._EXTRA)  # stored against the leader's advice
         if self._expect:
             until = self._expect.pop(k, -1)
             if until >= self._tick:
@@ -303,7 +303,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         if not slot:
             return
         if not self._s.linked(slot):
-            self._lead_policy().remove(k)               # the leader holds it: stay in step
+            self._lead_policy().remove(k)  # the leader holds it: stay in step
             if self._olds:
                 self._forget_old(k)
         self._s.drop(slot)
@@ -328,13 +328,13 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         victim; protected chunks only when nothing else is left."""
         s, protect, tick = self._s, self._protect, self._tick
         if self._rebuild and not s.first(self._EXTRA):
-            self._rebuild_step(len(self._keys))         # nothing listed yet: finish now
+            self._rebuild_step(len(self._keys))  # nothing listed yet: finish now
         slot = s.first(self._EXTRA)
         while slot:
             if not protect or protect.get(slot, -1) < tick:
                 return slot
             slot = s.next[slot] if s.next[slot] != self._EXTRA else 0
-        while self._olds:                               # then a former leader's, in its order
+        while self._olds:  # then a former leader's, in its order
             old = self._olds[0]
             v = old.victim()
             if v is None:
@@ -343,7 +343,7 @@ class PrefixAdaptivePolicy(EvictionPolicy):
                 continue
             slot = s.find(v)
             if not slot or s.linked(slot) or (self._actor is not None and v in self._actor):
-                old.forget(v)                           # not the tier's to drain here
+                old.forget(v)  # not the tier's to drain here
                 continue
             if not protect or protect.get(slot, -1) < tick:
                 return slot
@@ -351,12 +351,12 @@ class PrefixAdaptivePolicy(EvictionPolicy):
         v = self._lead_policy().victim()
         lead_slot = s.find(v) if v is not None else 0
         if lead_slot and (not protect or protect.get(lead_slot, -1) < tick):
-            return lead_slot                            # the tier holds what the leader does
+            return lead_slot  # the tier holds what the leader does
         keys = self._keys
-        for slot in range(2, len(keys)):                # some are protected: any other
+        for slot in range(2, len(keys)):  # some are protected: any other
             if keys[slot] is not None and protect.get(slot, -1) < tick:
                 return slot
-        if lead_slot:                                   # everything is: the leader's pick
+        if lead_slot:  # everything is: the leader's pick
             protect.pop(lead_slot, None)
             return lead_slot
         for slot in range(2, len(keys)):

@@ -38,7 +38,5 @@ def make_policy(name: str, *, last_tier: bool = True) -> EvictionPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {policy_names()}"
-        ) from None
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {policy_names()}") from None
     return cls(last_tier=last_tier)

@@ -27,7 +27,7 @@ class FrequencySketch:
         w = max(64, width)
         self.w = w
         self.table = bytearray(4 * w)
-        self.door = bytearray(4 * w)        # 32 doorkeeper bits per counter column
+        self.door = bytearray(4 * w)  # 32 doorkeeper bits per counter column
         self.dbits = 32 * w
         self.period = max(1, period)
         self.count = 0

@@ -35,10 +35,9 @@ def fingerprint(key: Hashable) -> int:
 class Slots:
     """Integer keys in numbered slots, found through an open-addressing index."""
 
-    MIGRATE = 16            # old-index buckets moved per insertion while the index grows
+    MIGRATE = 16  # old-index buckets moved per insertion while the index grows
 
-    def __init__(self, lists: int = 0, extra: str = "", keycode: str = "q",
-                 links: bool = True) -> None:
+    def __init__(self, lists: int = 0, extra: str = "", keycode: str = "q", links: bool = True) -> None:
         """``lists`` sentinels; one more per-slot array for each type code in ``extra``
         (``array`` codes, e.g. ``"ib"``: a 4-byte and a 1-byte field, zero when new);
         ``keycode`` stores keys in 8 bytes (``"q"``) or 4 (``"i"``: keys below 2**31);
@@ -124,7 +123,7 @@ class Slots:
         while s and s != slot:
             i = (i + 1) & mask
             s = tbl[i]
-        if s == slot:               # backward-shift deletion: no tombstones
+        if s == slot:  # backward-shift deletion: no tombstones
             j = i
             while True:
                 j = (j + 1) & mask
@@ -145,7 +144,7 @@ class Slots:
                 i = (i + 1) & mask
                 s = old[i]
             if s == slot:
-                old[i] = -1         # a tombstone in the table being emptied
+                old[i] = -1  # a tombstone in the table being emptied
         if not keep_key:
             keys[slot] = 0
         if release:

@@ -35,20 +35,20 @@ class TierStats:
     evictions: int = 0
     demotions: int = 0
     promotions: int = 0
-    rejected: int = 0          # refused by admission
+    rejected: int = 0  # refused by admission
     corrupt: int = 0
     errors: int = 0
-    timeouts: int = 0          # reads/writes past the tier's deadline (also in errors)
-    unavailable: int = 0       # calls refused or failed while the tier is unreachable
+    timeouts: int = 0  # reads/writes past the tier's deadline (also in errors)
+    unavailable: int = 0  # calls refused or failed while the tier is unreachable
     load_seconds: float = 0.0
-    tokens_loaded: int = 0     # counted by the connector: prompt tokens served from here
-    persisted: int = 0         # reused entries copied down into this tier (durability)
+    tokens_loaded: int = 0  # counted by the connector: prompt tokens served from here
+    persisted: int = 0  # reused entries copied down into this tier (durability)
 
 
 @dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
-    dropped_writes: int = 0    # write-behind queue full: dropped rather than block
+    dropped_writes: int = 0  # write-behind queue full: dropped rather than block
     dropped_publishes: int = 0  # shared-tier queue full: dropped rather than block
 
 
@@ -114,8 +114,7 @@ class Accounting:
         """Running totals, flat: ``{"<tier>.<counter>": n, "all.dropped_writes": n, ...,
         "write_failure:<cause>:<tier>": n}``."""
         # (vars, not dataclasses.asdict: this runs every engine step, and asdict's deep copy is 9x slower)
-        out: dict[str, float] = {f"{name}.{k}": v for name, st in self.stats.tiers.items()
-                                 for k, v in vars(st).items()}
+        out: dict[str, float] = {f"{name}.{k}": v for name, st in self.stats.tiers.items() for k, v in vars(st).items()}
         out["all.dropped_writes"] = self.stats.dropped_writes
         out["all.dropped_publishes"] = self.stats.dropped_publishes
         out["all.dropped_persists"] = dropped_persists

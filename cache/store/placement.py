@@ -46,13 +46,13 @@ class Layout:
 class Plan:
     """What the writer thread does. Every field may be empty; ``Plan()`` does nothing."""
 
-    write: Optional[int] = None      # local tier the entry is written into (through its policy)
-    refuse: Optional[int] = None     # local tier that cannot take it (noted ``not_admitted``)
-    seen: Optional[int] = None       # local tier that holds it already: its policy is told
-    demote: tuple[tuple[str, int], ...] = ()   # (victim, local tier it moves down into)
-    publish: tuple[str, ...] = ()    # keys sent to the shared tier
-    drop: tuple[str, ...] = ()       # victims deleted, kept nowhere
-    keep: tuple[str, ...] = ()       # pinned victims passed over (back in the policy after)
+    write: Optional[int] = None  # local tier the entry is written into (through its policy)
+    refuse: Optional[int] = None  # local tier that cannot take it (noted ``not_admitted``)
+    seen: Optional[int] = None  # local tier that holds it already: its policy is told
+    demote: tuple[tuple[str, int], ...] = ()  # (victim, local tier it moves down into)
+    publish: tuple[str, ...] = ()  # keys sent to the shared tier
+    drop: tuple[str, ...] = ()  # victims deleted, kept nowhere
+    keep: tuple[str, ...] = ()  # pinned victims passed over (back in the policy after)
 
 
 def place_new(layout: Layout, key: str, nbytes: int, holder: Optional[int], publish: bool) -> Plan:
@@ -77,8 +77,14 @@ def place_hit(layout: Layout, tier: int, key: str, nbytes: int, reused: bool, pr
     return Plan(write=top if top is not None and top < tier else None, publish=shared)
 
 
-def place_victims(layout: Layout, tier: int, decision: Decision, pinned: Callable[[str], bool],
-                  below_holds: Callable[[str], bool], to_shared: Callable[[str], bool]) -> Plan:
+def place_victims(
+    layout: Layout,
+    tier: int,
+    decision: Decision,
+    pinned: Callable[[str], bool],
+    below_holds: Callable[[str], bool],
+    to_shared: Callable[[str], bool],
+) -> Plan:
     """Where the victims ``decision`` names leave local tier ``tier`` for: a pinned one is
     kept (passed over); otherwise it moves down to the next local tier (dropped here when
     that tier has it already); from the last local tier it is published when

@@ -19,8 +19,9 @@ from cache.tiers.base import Tier
 class Publisher:
     """The shared tier's write queue. ``start(drain)`` runs ``drain`` on the publisher thread."""
 
-    def __init__(self, tier: Tier, account: Accounting, start: Callable[[Callable[[], None]], object],
-                 max_bytes: int) -> None:
+    def __init__(
+        self, tier: Tier, account: Accounting, start: Callable[[Callable[[], None]], object], max_bytes: int
+    ) -> None:
         self.tier = tier
         self._account = account
         self._start = start

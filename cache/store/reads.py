@@ -40,17 +40,26 @@ class Entry:
     key: str
     info: EntryInfo
     payload: memoryview
-    tier: TierId              # the tier it was read from
+    tier: TierId  # the tier it was read from
     raw: Optional[Buffer] = None  # the whole encoded entry (keeps mmaps alive; used to promote)
 
 
 class Reads:
     """The read side of one store: every tier, in order, with what a hit sets going."""
 
-    def __init__(self, tiers: Sequence[Tier], layout: Layout, namespace: bytes, signing_key: bytes,
-                 account: Accounting, lock: threading.Lock, admission: SharedAdmission,
-                 writer: Optional[TierWriter] = None, background: Optional[Background] = None,
-                 timer: Optional[Timer] = None) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        layout: Layout,
+        namespace: bytes,
+        signing_key: bytes,
+        account: Accounting,
+        lock: threading.Lock,
+        admission: SharedAdmission,
+        writer: Optional[TierWriter] = None,
+        background: Optional[Background] = None,
+        timer: Optional[Timer] = None,
+    ) -> None:
         self.tiers, self.layout = list(tiers), layout
         self.namespace, self.signing_key = namespace, signing_key
         self.account, self.lock, self.admission = account, lock, admission
@@ -87,8 +96,7 @@ class Reads:
         self._miss()
         return None
 
-    def find_in_place(self, key: str, place: Place, writers: Optional[BlockWriters], local_only: bool,
-                      whole: bool):
+    def find_in_place(self, key: str, place: Place, writers: Optional[BlockWriters], local_only: bool, whole: bool):
         """``TieredStore.get_into`` (``whole``) and ``read_layers``: an ``EntryRead``, None or
         ``ELSEWHERE``."""
         writers = writers if writers is not None else BlockWriters()
@@ -98,8 +106,9 @@ class Reads:
                 return ELSEWHERE
             # A whole shared entry is kept to promote it (a layered read lets the writer read it again).
             keep = whole and remote and self.layout.n_local > 0 and self.writer is not None
-            read = EntryRead(self, i, key, PartRead(self.namespace, key, place, self.signing_key, self.timer),
-                             writers, keep)
+            read = EntryRead(
+                self, i, key, PartRead(self.namespace, key, place, self.signing_key, self.timer), writers, keep
+            )
             t0 = time.perf_counter()
             try:
                 raw = tier.read_with(key, lambda reader: read.use(reader, whole))  # noqa: B023 (called at once)
@@ -126,8 +135,9 @@ class Reads:
         if self.tiers:
             self.account.tier(self.tiers[0].name).misses += 1
 
-    def hit(self, i: int, key: str, info: Optional[EntryInfo], seconds: float, raw: Optional[Buffer],
-            promote: bool) -> None:
+    def hit(
+        self, i: int, key: str, info: Optional[EntryInfo], seconds: float, raw: Optional[Buffer], promote: bool
+    ) -> None:
         """Count a verified read from tier ``i``; touch its policy; publish the entry if it
         is now reused, promote it if an upper tier can hold it (on the writer thread).
         ``raw`` is the whole entry when the caller has it; otherwise it is read again."""
@@ -167,7 +177,6 @@ class Reads:
             self.writer.forget(i, key)
         tier.delete(key)
 
-
     def copy_up(self, key: str, fits: Callable[[int], bool]) -> tuple[str, int]:
         """``TieredStore.copy_up``: the sound entry of the highest tier below the top one,
         verified in full, stored into the top tier on the writer thread (waited for)."""
@@ -176,7 +185,7 @@ class Reads:
         if self.tiers[0].contains(key):
             raw = writer.read_local(0, key)
             if raw is not None:
-                try:   # a damaged entry there is dropped, and copied again from below
+                try:  # a damaged entry there is dropped, and copied again from below
                     decode(raw, self.namespace, key, self.signing_key)
                     return "held", memoryview(raw).nbytes
                 except CorruptEntry as e:
@@ -200,13 +209,12 @@ class Reads:
                 continue
             try:
                 stored = background.write(writer.store, 0, key, info.parent, [raw], True).result()
-            except RuntimeError:   # the store closed meanwhile (its writer shut down)
+            except RuntimeError:  # the store closed meanwhile (its writer shut down)
                 return "refused", nbytes
             if stored:
                 self.account.tier(self.tiers[0].name).promotions += 1
             return ("copied" if stored else "refused"), nbytes
         return "absent", 0
-
 
 
 class EntryRead:
@@ -215,8 +223,7 @@ class EntryRead:
     or a load's own thread for a local tier; it blocks on that part's I/O (a shared
     tier's read: within the tier's deadline)."""
 
-    def __init__(self, reads: Reads, index: int, key: str, read: PartRead, writers: BlockWriters,
-                 keep: bool) -> None:
+    def __init__(self, reads: Reads, index: int, key: str, read: PartRead, writers: BlockWriters, keep: bool) -> None:
         self.reads, self.index, self.key, self.read, self.writers = reads, index, key, read, writers
         self.tier: TierId = reads.tiers[index].id  # the tier it is read from
         self.keep = keep

@@ -32,10 +32,20 @@ from cache.tiers.base import Buffer, Tier
 class TierWriter:
     """Carries out placement plans over the local tiers of one writer store."""
 
-    def __init__(self, tiers: Sequence[Tier], layout: Layout, policies: Sequence[EvictionPolicy],
-                 lock: threading.Lock, admission: SharedAdmission, account: Accounting,
-                 publisher: Optional[Publisher], background: Background, namespace: bytes,
-                 signing_key: bytes, pins: Optional[PinBook] = None) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        layout: Layout,
+        policies: Sequence[EvictionPolicy],
+        lock: threading.Lock,
+        admission: SharedAdmission,
+        account: Accounting,
+        publisher: Optional[Publisher],
+        background: Background,
+        namespace: bytes,
+        signing_key: bytes,
+        pins: Optional[PinBook] = None,
+    ) -> None:
         self.tiers, self.layout, self.policies = list(tiers), layout, list(policies)
         self.lock, self.admission, self.account = lock, admission, account
         self.publisher, self.background = publisher, background
@@ -43,8 +53,17 @@ class TierWriter:
         self.pins = pins  # pinned prefixes (``held(key)``): eviction passes them over
 
     # -- what the writer thread is given ----------------------------------------------
-    def write_new(self, key: str, parent: Optional[str], dtype: str, shape: tuple, payload: Buffer,
-                  shared: bool = False, ready: Optional[Callable[[], None]] = None, borrowed: bool = False) -> None:
+    def write_new(
+        self,
+        key: str,
+        parent: Optional[str],
+        dtype: str,
+        shape: tuple,
+        payload: Buffer,
+        shared: bool = False,
+        ready: Optional[Callable[[], None]] = None,
+        borrowed: bool = False,
+    ) -> None:
         """A newly computed entry (``TieredStore.put``): encoded, placed, published."""
         if ready is not None:
             ready()
@@ -56,7 +75,7 @@ class TierWriter:
         if plan_local.write is not None:
             self.store(plan_local.write, key, parent, [header, payload])
         elif plan_local.seen is not None:
-            with self.lock:        # stored, but computed again: an access that missed
+            with self.lock:  # stored, but computed again: an access that missed
                 self.policies[plan_local.seen].seen(key, parent)
         elif plan_local.refuse is not None:
             self.account.note(key, "not_admitted", self.tiers[plan_local.refuse].name)
@@ -142,8 +161,9 @@ class TierWriter:
             self.account.note(key, "not_admitted", tier.name)
         return outcome == "stored"
 
-    def _place(self, i: int, key: str, parent: Optional[str], parts: list, nbytes: int, force: bool,
-               kept: list[str]) -> str:
+    def _place(
+        self, i: int, key: str, parent: Optional[str], parts: list, nbytes: int, force: bool, kept: list[str]
+    ) -> str:
         """admit -> make room (a plan per victim) -> write -> insert: ``stored``, ``refused``,
         ``no room`` or ``not written`` (the write failed or found the key present)."""
         tier, policy = self.tiers[i], self.policies[i]
@@ -180,8 +200,14 @@ class TierWriter:
 
     def plan_victims(self, i: int, decision: Decision) -> Plan:
         """Local tier ``i``'s eviction decision as a plan, asking the tiers and the admission rule."""
-        return place_victims(self.layout, i, decision, self.pinned,
-                             below_holds=lambda v: self.tiers[i + 1].contains(v), to_shared=self._to_shared)
+        return place_victims(
+            self.layout,
+            i,
+            decision,
+            self.pinned,
+            below_holds=lambda v: self.tiers[i + 1].contains(v),
+            to_shared=self._to_shared,
+        )
 
     def evict(self, i: int, key: str) -> None:
         """Evict ``key`` from local tier ``i`` now, as if its policy had chosen it (a pinned
@@ -218,8 +244,11 @@ class TierWriter:
         if raw is None:
             return
         try:  # a shared entry is verified in full: other nodes will trust its checksum
-            info = (decode(raw, self.namespace, victim, self.signing_key)[0] if to == -1
-                    else read_header(raw, self.namespace, victim))
+            info = (
+                decode(raw, self.namespace, victim, self.signing_key)[0]
+                if to == -1
+                else read_header(raw, self.namespace, victim)
+            )
         except CorruptEntry:
             return
         if to == -1:
@@ -252,7 +281,7 @@ class TierWriter:
             raw = tier.read(key)
             parent = read_header(raw, self.namespace, key).parent
         except (KeyError, CorruptEntry):
-            return True   # gone meanwhile, or damaged: nothing to keep
+            return True  # gone meanwhile, or damaged: nothing to keep
         if not (below.contains(key) or self.store(i + 1, key, parent, [raw])):
             return False
         tier.delete(key)

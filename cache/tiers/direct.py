@@ -42,8 +42,8 @@ from cache.placed import FdReader, copy_into
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096                 # covers every device's logical block (512 or 4096 bytes)
-WINDOW_BYTES = 4 << 20       # the most one direct read asks for (a thread's buffer)
+ALIGN = 4096  # covers every device's logical block (512 or 4096 bytes)
+WINDOW_BYTES = 4 << 20  # the most one direct read asks for (a thread's buffer)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -51,8 +51,7 @@ def _libc():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         return libc
@@ -111,8 +110,11 @@ class DirectReads:
     def refused(self, e: OSError) -> None:
         if self.enabled:
             self.enabled = False
-            log.warning("kvcache: the %s tier's filesystem refuses direct reads (%s); reading through "
-                        "the page cache", self.label, e)
+            log.warning(
+                "kvcache: the %s tier's filesystem refuses direct reads (%s); reading through the page cache",
+                self.label,
+                e,
+            )
 
     @contextmanager
     def reader(self, fd: int, path: str) -> Iterator[FdReader]:
@@ -192,7 +194,7 @@ class DirectReader(FdReader):
                 if not self._start <= at < self._start + self._len:
                     break  # the file ends before ``at``
             n = min(len(view) - got, self._start + self._len - at)
-            copy_into(view[got:got + n], w.buf[at - self._start:at - self._start + n])
+            copy_into(view[got : got + n], w.buf[at - self._start : at - self._start + n])
             got += n
         self.nread += got
         return got
@@ -202,5 +204,5 @@ class DirectReader(FdReader):
         end = max(at + want, self._until)
         end = min(-(-end // ALIGN) * ALIGN, start + WINDOW_BYTES)
         w.owner = None
-        n = os.preadv(self.dfd, [w.buf[:end - start]], start)
+        n = os.preadv(self.dfd, [w.buf[: end - start]], start)
         w.owner, self._start, self._len = self, start, n

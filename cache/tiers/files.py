@@ -161,11 +161,10 @@ class FileTier(Tier):
                 # Read-only, prefaulted, shared mapping: zero-copy from tmpfs pages (a
                 # private writable one would copy them). Entries are never modified in
                 # place and the mapping stays valid if the file is unlinked meanwhile.
-                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                 prot=mmap.PROT_READ)
+                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
             buf = np.empty(size, dtype=np.uint8)
             # (numpy's stubs give arrays the buffer protocol from Python 3.12 on only)
-            return cast(Buffer, buf[:read_into(fd, buf.data)])
+            return cast(Buffer, buf[: read_into(fd, buf.data)])
         finally:
             os.close(fd)
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 class Medium(str, enum.Enum):
     """What holds a tier's bytes (vLLM's ``Medium`` values)."""
 
-    CPU = "CPU"            # host memory (our DRAM tier: a tmpfs folder)
-    STORAGE = "STORAGE"    # a filesystem: local NVMe, or a cluster's (Curvine)
+    CPU = "CPU"  # host memory (our DRAM tier: a tmpfs folder)
+    STORAGE = "STORAGE"  # a filesystem: local NVMe, or a cluster's (Curvine)
 
 
 class Locality(str, enum.Enum):
     """Where a tier is, seen from this engine (vLLM's ``Locality`` values)."""
 
-    LOCAL = "LOCAL"        # this node's
-    REMOTE = "REMOTE"      # shared by every node
+    LOCAL = "LOCAL"  # this node's
+    REMOTE = "REMOTE"  # shared by every node
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class TierId:
         return self.locality is Locality.REMOTE
 
 
-DRAM = TierId("dram", Medium.CPU, Locality.LOCAL)         # L1
-DISK = TierId("disk", Medium.STORAGE, Locality.LOCAL)     # L2
+DRAM = TierId("dram", Medium.CPU, Locality.LOCAL)  # L1
+DISK = TierId("disk", Medium.STORAGE, Locality.LOCAL)  # L2
 SHARED = TierId("shared", Medium.STORAGE, Locality.REMOTE)  # L3
 KNOWN = {t.name: t for t in (DRAM, DISK, SHARED)}
 

@@ -23,7 +23,7 @@ from cache.tiers.shared import SharedTier
 NOTES_DIR = ".hot"
 NOTE_SUFFIX = ".json"
 PART_MARK = ".part-"
-MAX_NOTE_BYTES = 4 << 20     # a larger file is not read (no note is this large)
+MAX_NOTE_BYTES = 4 << 20  # a larger file is not read (no note is this large)
 
 
 def notes_folder(tier: SharedTier) -> str:
@@ -48,8 +48,9 @@ def write_note(tier: SharedTier, name: str, data: bytes) -> None:
 
 def list_notes(tier: SharedTier) -> list[tuple[str, int, float]]:
     """``(name, bytes, mtime)`` of each note (none when the folder is missing)."""
-    return [e for e in tier.call("list_dir", notes_folder(tier))
-            if e[0].endswith(NOTE_SUFFIX) and PART_MARK not in e[0]]
+    return [
+        e for e in tier.call("list_dir", notes_folder(tier)) if e[0].endswith(NOTE_SUFFIX) and PART_MARK not in e[0]
+    ]
 
 
 def read_notes(tier: SharedTier) -> list[tuple[str, bytes]]:

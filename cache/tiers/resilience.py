@@ -37,17 +37,18 @@ class SharedUnavailable(ConnectionError):
 class Health:
     """Counters of the shared tier's own calls (the store counts hits and writes)."""
 
-    failures: int = 0   # calls that raised or ran past their deadline
-    timeouts: int = 0   # of which past the deadline
-    outages: int = 0    # times the tier went down
-    skipped: int = 0    # calls refused while down
+    failures: int = 0  # calls that raised or ran past their deadline
+    timeouts: int = 0  # of which past the deadline
+    outages: int = 0  # times the tier went down
+    skipped: int = 0  # calls refused while down
 
 
 class Breaker:
     """Consecutive failures open it; one trial per backoff window; a success closes it."""
 
-    def __init__(self, label: str, health: Health, clock, threshold: int,
-                 backoff_s: float, max_backoff_s: float) -> None:
+    def __init__(
+        self, label: str, health: Health, clock, threshold: int, backoff_s: float, max_backoff_s: float
+    ) -> None:
         self.label, self.health, self.clock = label, health, clock
         self.threshold, self.base, self.cap = threshold, backoff_s, max_backoff_s
         self._lock = threading.Lock()
@@ -102,9 +103,15 @@ class Breaker:
             self._down_since, self._backoff, self._retry_at = now, self.base, now + self.base
             self._trial = False
             self.health.outages += 1
-        log.warning("kvcache: shared tier %s unreachable (%s: %s); serving from the local tiers "
-                    "and retrying with backoff (%.0f s to %.0f s)",
-                    self.label, type(err).__name__, err, self.base, self.cap)
+        log.warning(
+            "kvcache: shared tier %s unreachable (%s: %s); serving from the local tiers "
+            "and retrying with backoff (%.0f s to %.0f s)",
+            self.label,
+            type(err).__name__,
+            err,
+            self.base,
+            self.cap,
+        )
 
 
 class DaemonPool:
@@ -155,8 +162,9 @@ class Pacer:
     started, when the link was idle). Called on the tier's I/O threads, after the bytes
     moved; it sleeps out the difference (within the call's deadline)."""
 
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self, rate: float, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
         self.rate = float(rate)
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
@@ -175,9 +183,19 @@ class Pacer:
 class Guard:
     """Calls with a deadline, on ``io_threads`` daemon threads, behind a ``Breaker``."""
 
-    def __init__(self, name: str, label: str, *, timeout_s: float, io_threads: int,
-                 failure_threshold: int, backoff_s: float, max_backoff_s: float,
-                 clock: Callable[[], float], setup: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        label: str,
+        *,
+        timeout_s: float,
+        io_threads: int,
+        failure_threshold: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        clock: Callable[[], float],
+        setup: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.health = Health()

@@ -87,8 +87,11 @@ class FsOps:
 
     def list_dir(self, folder: str) -> list[tuple[str, int, float]]:
         """``(name, size, mtime)`` of every file directly in ``folder`` (none if it is missing)."""
-        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), _mtime(e))
-                for e in self.ls(folder) if e.get("type") != "directory"]
+        return [
+            (e["name"].rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0), _mtime(e))
+            for e in self.ls(folder)
+            if e.get("type") != "directory"
+        ]
 
     def list_tree(self, folder: str) -> list[tuple[str, int, float]]:
         """``(name, size, mtime)`` of every file one folder below ``folder``."""
@@ -129,7 +132,7 @@ class CurvineOps(FsOps):
             for p in parts:
                 view = memoryview(p).cast("B")
                 for off in range(0, len(view), CURVINE_WRITE_CHUNK):
-                    writer.write(bytes(view[off:off + CURVINE_WRITE_CHUNK]))
+                    writer.write(bytes(view[off : off + CURVINE_WRITE_CHUNK]))
         finally:
             writer.close()
 
@@ -169,9 +172,9 @@ def ops_for(fs) -> FsOps:
 @dataclass(frozen=True)
 class Transport:
     url: str
-    root: str                        # the tier's folder, as the filesystem names it
-    opener: Callable[[], object]     # connects (returns the filesystem); called once,
-                                     # lazily, on an I/O thread
+    root: str  # the tier's folder, as the filesystem names it
+    opener: Callable[[], object]  # connects (returns the filesystem); called once,
+    # lazily, on an I/O thread
 
 
 def open_transport(url: str, curvine_conf: str = "", curvine_masters: Sequence[str] = ()) -> Transport:
@@ -194,9 +197,11 @@ def curvine_client_toml(masters: Sequence[str]) -> str:
 
 def _curvine(url: str, conf: str, masters: tuple[str, ...]) -> Transport:
     if not conf and not masters:
-        raise ConfigError(f"KVCACHE_SHARED_URL={url!r} needs the Curvine cluster: set "
-                          "KVCACHE_CURVINE_MASTERS (host:port of its masters) or KVCACHE_CURVINE_CONF "
-                          "(its client configuration file, curvine-cluster.toml)")
+        raise ConfigError(
+            f"KVCACHE_SHARED_URL={url!r} needs the Curvine cluster: set "
+            "KVCACHE_CURVINE_MASTERS (host:port of its masters) or KVCACHE_CURVINE_CONF "
+            "(its client configuration file, curvine-cluster.toml)"
+        )
     try:
         from curvinefs import CurvineFileSystem
     except Exception as e:  # missing, or broken (stubs from an old protoc raise TypeError)
@@ -204,8 +209,9 @@ def _curvine(url: str, conf: str, masters: tuple[str, ...]) -> Transport:
             f"KVCACHE_SHARED_URL={url!r} needs Curvine's Python SDK (package curvinefs, built from "
             f"the Curvine sources with maturin), which is missing or broken in this image "
             f"({type(e).__name__}: {e}); install it, or mount Curvine (FUSE/CSI) and use "
-            "file:///MOUNT/PATH") from None
-    root = "/" + url[len("curvine://"):].strip("/")
+            "file:///MOUNT/PATH"
+        ) from None
+    root = "/" + url[len("curvine://") :].strip("/")
 
     def connect(path: str):
         return CurvineFileSystem(config_path=path, write_chunk_size=CURVINE_WRITE_CHUNK, write_chunk_num=2)
@@ -231,15 +237,18 @@ def _fsspec(url: str) -> Transport:
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except ImportError as e:
-        raise ConfigError(f"KVCACHE_SHARED_URL={url!r}: the filesystem for this URL is not "
-                          f"installed ({e})") from None
+        raise ConfigError(f"KVCACHE_SHARED_URL={url!r}: the filesystem for this URL is not installed ({e})") from None
     except ValueError as e:
-        raise ConfigError(f"KVCACHE_SHARED_URL={url!r} is not a URL fsspec knows ({e}); use "
-                          "curvine://PATH, file:///MOUNT/PATH or another fsspec URL") from None
+        raise ConfigError(
+            f"KVCACHE_SHARED_URL={url!r} is not a URL fsspec knows ({e}); use "
+            "curvine://PATH, file:///MOUNT/PATH or another fsspec URL"
+        ) from None
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if "file" in protocols or "local" in protocols:
         parent = os.path.dirname(root.rstrip("/")) or "/"
         if not os.path.isdir(parent):
-            raise ConfigError(f"KVCACHE_SHARED_URL={url!r}: {parent} does not exist; is the shared "
-                              "volume (Curvine FUSE/CSI mount) mounted there?")
+            raise ConfigError(
+                f"KVCACHE_SHARED_URL={url!r}: {parent} does not exist; is the shared "
+                "volume (Curvine FUSE/CSI mount) mounted there?"
+            )
     return Transport(url, root, lambda: fs)

@@ -35,7 +35,7 @@ from cache.cost import attention_pairs
 from cache.curves import SIZES, TierCurve, chunk_fingerprint
 from cache.policy import DEFAULT_POLICY, policy_names
 
-GAIN = 0.02      # a doubling that adds less of the prompt tokens than this is past the knee
+GAIN = 0.02  # a doubling that adds less of the prompt tokens than this is past the knee
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Rates:
     prefill_per_token: Optional[float] = None
     prefill_per_pair: float = 0.0
     load_per_token: dict = field(default_factory=dict)  # tier -> seconds per token loaded
-    load_latency: dict = field(default_factory=dict)    # tier -> seconds per load
+    load_latency: dict = field(default_factory=dict)  # tier -> seconds per load
 
     def __post_init__(self) -> None:
         self.load_per_token = dict(self.load_per_token or {})
@@ -55,11 +55,11 @@ class Rates:
 @dataclass
 class Advice:
     tier: str
-    curve: dict                        # size label -> token hit ratio
-    knee: str                          # size label
-    rising: bool                       # still gaining past 8x
-    capacity: Optional[int] = None     # at 1x: bytes (or a trace's blocks)
-    saving_s: Optional[float] = None   # per request, at the knee against 1x
+    curve: dict  # size label -> token hit ratio
+    knee: str  # size label
+    rising: bool  # still gaining past 8x
+    capacity: Optional[int] = None  # at 1x: bytes (or a trace's blocks)
+    saving_s: Optional[float] = None  # per request, at the knee against 1x
 
 
 def knee(curve: dict, gain: float = GAIN) -> tuple[str, bool]:
@@ -79,8 +79,9 @@ def saving(tier: str, r1: float, r2: float, prompt: float, rates: Rates) -> Opti
     if rates.prefill_per_token is None or per_token is None or not prompt:
         return None
     h1, h2 = r1 * prompt, r2 * prompt
-    computed = (rates.prefill_per_token * (h2 - h1) + rates.prefill_per_pair
-                * (attention_pairs(prompt - h1, h1) - attention_pairs(prompt - h2, h2)))
+    computed = rates.prefill_per_token * (h2 - h1) + rates.prefill_per_pair * (
+        attention_pairs(prompt - h1, h1) - attention_pairs(prompt - h2, h2)
+    )
     loaded = per_token * (h2 - h1) + (rates.load_latency.get(tier, 0.0) if h1 <= 0 < h2 else 0.0)
     return computed - loaded
 
@@ -91,8 +92,9 @@ def advise(curves: dict, capacity: dict, rates: Rates, prompt: float, gain: floa
     out = []
     for tier, curve in curves.items():
         at, rising = knee(curve, gain)
-        out.append(Advice(tier, curve, at, rising, capacity.get(tier),
-                          saving(tier, curve["1"], curve[at], prompt, rates)))
+        out.append(
+            Advice(tier, curve, at, rising, capacity.get(tier), saving(tier, curve["1"], curve[at], prompt, rates))
+        )
     return out
 
 
@@ -104,24 +106,33 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def render(advice: list[Advice], prompt: float, amount: Callable[[float], str] = human_bytes,
-           gain: float = GAIN) -> str:
+def render(
+    advice: list[Advice], prompt: float, amount: Callable[[float], str] = human_bytes, gain: float = GAIN
+) -> str:
     """The report, one paragraph per tier; ``amount`` spells a capacity."""
     lines = []
     for a in advice:
+
         def size(m: float, a: Advice = a) -> str:
             return amount(a.capacity * m) if a.capacity else f"{m:g}x its size"
+
         points = "  ".join(f"{s}x {a.curve[s]:.1%}" for s in SIZES)
-        lines.append(f"{a.tier}: now {size(1.0)}, serving {a.curve['1']:.1%} of prompt tokens; "
-                     f"at 1/4..8x: {points}")
+        lines.append(f"{a.tier}: now {size(1.0)}, serving {a.curve['1']:.1%} of prompt tokens; at 1/4..8x: {points}")
         change = a.curve[a.knee] - a.curve["1"]
-        verdict = ("still rising at 8x: the traffic would use more" if a.rising else
-                   f"no doubling past it adds {gain:.0%} of the tokens")
-        lines.append(f"  knee at {a.knee}x = {size(float(a.knee))} ({verdict}): "
-                     f"{a.curve[a.knee]:.1%} ({100 * change:+.1f} points against now)")
+        verdict = (
+            "still rising at 8x: the traffic would use more"
+            if a.rising
+            else f"no doubling past it adds {gain:.0%} of the tokens"
+        )
+        lines.append(
+            f"  knee at {a.knee}x = {size(float(a.knee))} ({verdict}): "
+            f"{a.curve[a.knee]:.1%} ({100 * change:+.1f} points against now)"
+        )
         if a.saving_s is not None:
-            lines.append(f"  expected time to first token there: {-a.saving_s or 0.0:+.3f} s per request "
-                         f"(mean prompt {prompt:,.0f} tokens; the cost model's rates)")
+            lines.append(
+                f"  expected time to first token there: {-a.saving_s or 0.0:+.3f} s per request "
+                f"(mean prompt {prompt:,.0f} tokens; the cost model's rates)"
+            )
         else:
             lines.append("  expected time to first token: unknown (no fitted rates yet, or no mean prompt)")
     return "\n".join(lines)
@@ -201,8 +212,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--workload", help="a seeded synthetic workload instead of a trace (cache.tools.workloads)")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tier", action="append", default=[], metavar="NAME=BLOCKS",
-                    help="a tier and its size in the trace's blocks (trace or workload; repeat, fastest first)")
+    ap.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME=BLOCKS",
+        help="a tier and its size in the trace's blocks (trace or workload; repeat, fastest first)",
+    )
     ap.add_argument("--block-bytes", type=int, default=0, help="bytes of one trace block (prints sizes in bytes)")
     ap.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names())
     ap.add_argument("--url", help="a server: its curves, or (with a trace) its cost model's rates")

@@ -21,21 +21,31 @@ from cache.sizes import human_bytes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cache.tools.footprint",
-                                description="KV cache bytes per token and per request of a model.")
+    p = argparse.ArgumentParser(
+        prog="python -m cache.tools.footprint", description="KV cache bytes per token and per request of a model."
+    )
     p.add_argument("model", help="model folder or config.json file")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per request (default: the model's max_position_embeddings)")
+    p.add_argument(
+        "--context", type=int, default=None, help="tokens per request (default: the model's max_position_embeddings)"
+    )
     p.add_argument("--kv-dtype", default=None, help="vLLM --kv-cache-dtype (auto, fp8, ...)")
     for tier, old in (("dram", "cpu"), ("disk", None), ("shared", "remote")):
-        p.add_argument(f"--{tier}-size", *([f"--{old}-size"] if old else []), dest=tier, default=None,
-                       help=f"{tier} tier size, e.g. 64GiB, 2TB" + (f" (old name --{old}-size)" if old else ""))
+        p.add_argument(
+            f"--{tier}-size",
+            *([f"--{old}-size"] if old else []),
+            dest=tier,
+            default=None,
+            help=f"{tier} tier size, e.g. 64GiB, 2TB" + (f" (old name --{old}-size)" if old else ""),
+        )
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
     try:
         fp = footprint_from_config(load_hf_config(args.model), args.kv_dtype)
-        tiers = {name: parse_size(getattr(args, name), None, f"--{name}-size")
-                 for name in ("dram", "disk", "shared") if getattr(args, name)}
+        tiers = {
+            name: parse_size(getattr(args, name), None, f"--{name}-size")
+            for name in ("dram", "disk", "shared")
+            if getattr(args, name)
+        }
     except (FootprintError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -48,13 +58,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(fp.describe())
-    print(f"one {context:,}-token request: {out['bytes_per_request']:,} bytes "
-          f"({human_bytes(out['bytes_per_request'])})")
+    print(
+        f"one {context:,}-token request: {out['bytes_per_request']:,} bytes ({human_bytes(out['bytes_per_request'])})"
+    )
     if fp.hybrid:
         print(f"without the hybrid KV cache manager: {fp.full_layout_bytes_per_token:,} bytes per token")
     for name, t in out["tiers"].items():
-        print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = "
-              f"{t['requests']:,} such requests")
+        print(f"{name} tier {human_bytes(t['bytes'])}: {t['tokens']:,} tokens = {t['requests']:,} such requests")
     return 0
 
 

@@ -51,7 +51,7 @@ from cache.tiers.transport import open_transport, ops_for
 @dataclass
 class Problem:
     path: str
-    what: str          # damaged, unsigned, orphan, writing
+    what: str  # damaged, unsigned, orphan, writing
     detail: str
     inode: int = 0
     key: str = ""
@@ -63,9 +63,9 @@ class Namespace:
     namespace: str
     entries: int = 0
     bytes: int = 0
-    oldest_s: Optional[float] = None   # age of the oldest entry, seconds
+    oldest_s: Optional[float] = None  # age of the oldest entry, seconds
     newest_s: Optional[float] = None
-    pins: int = 0                      # entries pinned now (cache.pins)
+    pins: int = 0  # entries pinned now (cache.pins)
     checked: int = 0
     problems: list[Problem] = field(default_factory=list)
 
@@ -83,11 +83,11 @@ class TierReport:
     location: str
     capacity: Optional[int]
     namespaces: list[Namespace] = field(default_factory=list)
-    usage_file: Optional[int] = None   # ROOT/.usage (local tiers)
-    counted: Optional[int] = None      # what the folder holds against the capacity
-    problems: list[Problem] = field(default_factory=list)   # outside any namespace
+    usage_file: Optional[int] = None  # ROOT/.usage (local tiers)
+    counted: Optional[int] = None  # what the folder holds against the capacity
+    problems: list[Problem] = field(default_factory=list)  # outside any namespace
     repaired: list[str] = field(default_factory=list)
-    pin_records: list[dict] = field(default_factory=list)   # live pins (the last local tier)
+    pin_records: list[dict] = field(default_factory=list)  # live pins (the last local tier)
     pinned_bytes: Optional[int] = None
     pin_limit: Optional[int] = None
 
@@ -117,9 +117,16 @@ def inspect_local(config: CacheConfig, spec: TierSpec, verify: bool, now: float)
     book = pin_book(config)
     live = book.live() if book is not None else []
     if spec.last_local and book is not None:
-        rep.pin_records = [{"namespaces": list(p.namespaces), "chunks": len(p.keys), "tokens": p.tokens,
-                            "bytes": pinned_bytes([p]), "expires_in_s": round(p.expires - now, 1)}
-                           for p in live]
+        rep.pin_records = [
+            {
+                "namespaces": list(p.namespaces),
+                "chunks": len(p.keys),
+                "tokens": p.tokens,
+                "bytes": pinned_bytes([p]),
+                "expires_in_s": round(p.expires - now, 1),
+            }
+            for p in live
+        ]
         rep.pinned_bytes, rep.pin_limit = pinned_bytes(live), book.limit
     pinned = {(ns, k) for p in live for ns, k in p.pairs()}
     counted = 0
@@ -133,8 +140,9 @@ def inspect_local(config: CacheConfig, spec: TierSpec, verify: bool, now: float)
         rep.namespaces.append(report)
         for shard in os.scandir(ns.path):
             if not shard.is_dir():
-                report.problems.append(Problem(shard.path, "orphan", "a file outside any shard folder",
-                                               _inode(shard.path)))
+                report.problems.append(
+                    Problem(shard.path, "orphan", "a file outside any shard folder", _inode(shard.path))
+                )
                 continue
             for f in os.scandir(shard.path):
                 counted += _local_file(config, report, shard.name, f, verify, now)
@@ -151,10 +159,9 @@ def _local_file(config, report: Namespace, shard: str, f: os.DirEntry, verify: b
         return 0
     if TMP_MARK in f.name:
         if is_debris(f.name, st.st_mtime):
-            report.problems.append(Problem(f.path, "orphan", "temporary file of a writer that is gone",
-                                           st.st_ino))
+            report.problems.append(Problem(f.path, "orphan", "temporary file of a writer that is gone", st.st_ino))
             return 0
-        return (parse_temp(f.name) or ("", -1, st.st_size))[2]   # a write in progress
+        return (parse_temp(f.name) or ("", -1, st.st_size))[2]  # a write in progress
     if not is_key(f.name) or f.name[:2] != shard:
         report.problems.append(Problem(f.path, "orphan", "not an entry of this folder", st.st_ino))
         return st.st_size
@@ -209,8 +216,9 @@ def inspect_shared(config: CacheConfig, verify: bool, now: float) -> TierReport:
             path = f"{root}/{name}/{fname[:2]}/{fname}"
             if TMP_MARK in fname:
                 if mtime and now - mtime > 3600:
-                    report.problems.append(Problem(path, "orphan", "temporary file older than an hour "
-                                                   "(left to the servers' clean-up)"))
+                    report.problems.append(
+                        Problem(path, "orphan", "temporary file older than an hour (left to the servers' clean-up)")
+                    )
                 continue
             if not is_key(fname):
                 continue
@@ -254,8 +262,10 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
     lines = [f"{'tier':<7}{'namespace':<34}{'entries':>9}{'bytes':>14}{'oldest':>9}{'newest':>9}{'pins':>6}"]
     for rep in reports:
         for ns in rep.namespaces:
-            lines.append(f"{rep.tier:<7}{ns.namespace:<34}{ns.entries:>9,}{ns.bytes:>14,}"
-                         f"{_age(ns.oldest_s):>9}{_age(ns.newest_s):>9}{ns.pins if ns.pins else '-':>6}")
+            lines.append(
+                f"{rep.tier:<7}{ns.namespace:<34}{ns.entries:>9,}{ns.bytes:>14,}"
+                f"{_age(ns.oldest_s):>9}{_age(ns.newest_s):>9}{ns.pins if ns.pins else '-':>6}"
+            )
         if not rep.namespaces:
             lines.append(f"{rep.tier:<7}{'(empty)':<34}")
     for rep in reports:
@@ -264,8 +274,10 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
         lines.append("")
         lines.append(where)
         if rep.usage_file is not None:
-            lines.append(f"  account (.usage) {rep.usage_file:,} bytes; the folder holds {rep.counted or 0:,}"
-                         + ("" if not rep.account_off() else "  MISMATCH"))
+            lines.append(
+                f"  account (.usage) {rep.usage_file:,} bytes; the folder holds {rep.counted or 0:,}"
+                + ("" if not rep.account_off() else "  MISMATCH")
+            )
         if verify:
             checked = sum(ns.checked for ns in rep.namespaces)
             bad = rep.all_problems()
@@ -275,11 +287,15 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
             if rep.account_off() and not repair:
                 lines.append(f"  account would be recounted: {rep.usage_file:,} -> {rep.counted:,} bytes")
         if rep.pin_limit is not None:
-            lines.append(f"  pins: {len(rep.pin_records)} live, {rep.pinned_bytes:,} bytes pinned of "
-                         f"{rep.pin_limit:,} allowed (KVCACHE_PIN_MAX)")
+            lines.append(
+                f"  pins: {len(rep.pin_records)} live, {rep.pinned_bytes:,} bytes pinned of "
+                f"{rep.pin_limit:,} allowed (KVCACHE_PIN_MAX)"
+            )
             for pin in rep.pin_records:
-                lines.append(f"    {pin['chunks']} chunks ({pin['tokens']:,} tokens, {pin['bytes']:,} bytes), expires "
-                             f"in {_age(pin['expires_in_s'])}, namespace {', '.join(pin['namespaces'])}")
+                lines.append(
+                    f"    {pin['chunks']} chunks ({pin['tokens']:,} tokens, {pin['bytes']:,} bytes), expires "
+                    f"in {_age(pin['expires_in_s'])}, namespace {', '.join(pin['namespaces'])}"
+                )
         for r in rep.repaired:
             lines.append(f"  repaired: {r}")
     return "\n".join(lines)
@@ -288,10 +304,17 @@ def render(reports: list[TierReport], verify: bool, repair: bool) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cache.tools.inspect", description=__doc__.split("::")[0])
     p.add_argument("--verify", action="store_true", help="check every entry and the byte accounts")
-    p.add_argument("--repair", action="store_true", help="verify, then remove what is damaged or orphaned "
-                   "and recount the accounts (safe while servers run)")
-    p.add_argument("--tier", choices=("dram", "disk", "shared"), action="append",
-                   help="only this tier (repeatable; default: every enabled tier)")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="verify, then remove what is damaged or orphaned and recount the accounts (safe while servers run)",
+    )
+    p.add_argument(
+        "--tier",
+        choices=("dram", "disk", "shared"),
+        action="append",
+        help="only this tier (repeatable; default: every enabled tier)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
     verify = args.verify or args.repair

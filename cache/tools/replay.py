@@ -45,24 +45,20 @@ from cache.tools.workloads import WORKLOADS, generate
 OFFLINE = ("belady", "rate-oracle", "span-oracle")
 
 
-
 def replay_policy_names() -> List[str]:
     """Every name ``--policy`` accepts: the online registry, the offline references, and
     ``ours`` (an alias of the recommended default)."""
     return policy_names() + list(OFFLINE) + ["ours"]
 
 
-def build_policy(
-    name: str, requests: Sequence[Request], capacity_blocks: Optional[int] = None
-) -> EvictionPolicy:
+def build_policy(name: str, requests: Sequence[Request], capacity_blocks: Optional[int] = None) -> EvictionPolicy:
     """Online policies come from the registry; the offline ones are built with the whole
     trace (and the capacity, so they can bypass blocks that rank below every resident
     one, as MIN does)."""
     if name == "belady":
         return BeladyPolicy([r.hash_ids for r in requests], capacity=capacity_blocks)
     if name in ("rate-oracle", "span-oracle"):
-        return RateOraclePolicy([r.hash_ids for r in requests], capacity=capacity_blocks,
-                                span=name == "span-oracle")
+        return RateOraclePolicy([r.hash_ids for r in requests], capacity=capacity_blocks, span=name == "span-oracle")
     return make_policy(DEFAULT_POLICY if name == "ours" else name)
 
 
@@ -122,6 +118,7 @@ def replay(
 
     def reserve() -> bool:
         return len(policy) < capacity_blocks
+
     n = len(requests)
     hint_end = 0  # requests [i+1, hint_end) are in the queue window of request i
     t0 = time.perf_counter()
@@ -136,9 +133,7 @@ def replay(
             while hint_end < n and requests[hint_end].timestamp <= limit:
                 hint_end += 1
             if hint_end > i + 1:
-                policy.hint_upcoming(
-                    k for r in requests[i + 1 : hint_end] for k in r.hash_ids
-                )
+                policy.hint_upcoming(k for r in requests[i + 1 : hint_end] for k in r.hash_ids)
         hits = serve(policy, ids, reserve)  # the leading run hits; the rest is stored
         lookups += len(ids) + (hits < len(ids))
         prompt_tokens += req.input_length
@@ -176,8 +171,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Replay a Mooncake-format trace and print the token hit ratio.",
     )
     ap.add_argument("trace", nargs="?", help="JSONL trace (timestamp, input_length, hash_ids)")
-    ap.add_argument("--workload", choices=sorted(WORKLOADS),
-                    help="replay a seeded synthetic workload instead of a trace file")
+    ap.add_argument(
+        "--workload", choices=sorted(WORKLOADS), help="replay a seeded synthetic workload instead of a trace file"
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="workload size (1: ~10,000 requests)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     cap = ap.add_mutually_exclusive_group(required=True)

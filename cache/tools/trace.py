@@ -43,8 +43,17 @@ def save_trace(path: str, requests: Iterable[Request]) -> None:
     """Write ``requests`` as a Mooncake-format JSONL trace (``output_length`` 0)."""
     with open(path, "w", encoding="utf-8") as fh:
         for r in requests:
-            fh.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
-                                 "output_length": 0, "hash_ids": list(r.hash_ids)}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "timestamp": r.timestamp,
+                        "input_length": r.input_length,
+                        "output_length": 0,
+                        "hash_ids": list(r.hash_ids),
+                    }
+                )
+                + "\n"
+            )
 
 
 def block_tokens(request: Request) -> List[int]:

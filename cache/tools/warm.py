@@ -86,9 +86,9 @@ def warm_engine(llm, prompts: list[list[int]], batch_size: int = 16) -> WarmRepo
     report = WarmReport(prompts=len(prompts), tokens=sum(map(len, prompts)))
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        batch = [{"prompt_token_ids": p} for p in prompts[start:start + batch_size]]
+        batch = [{"prompt_token_ids": p} for p in prompts[start : start + batch_size]]
         llm.generate(batch, params, use_tqdm=False)  # compute; the chunks are stored locally
-        llm.reset_prefix_cache()                      # so the next pass reads them back
+        llm.reset_prefix_cache()  # so the next pass reads them back
         for out in llm.generate(batch, params, use_tqdm=False):
             loaded = (out.kv_transfer_params or {}).get("kvcache_loaded_tokens", {})
             for tier, n in loaded.items():
@@ -105,8 +105,9 @@ def shutdown_engine(llm, timeout: float = 60.0) -> None:
         core.shutdown(timeout=timeout)
 
 
-def warm(prompts_path: str, model: str, *, batch_size: int = 16,
-         cache: Optional[dict[str, Any]] = None, **engine_args) -> WarmReport:
+def warm(
+    prompts_path: str, model: str, *, batch_size: int = 16, cache: Optional[dict[str, Any]] = None, **engine_args
+) -> WarmReport:
     """Publish the KV of the prompts in ``prompts_path`` to the shared tier.
 
     ``cache``: the connector's ``kv_connector_extra_config`` (the configuration the server
@@ -130,11 +131,19 @@ def warm(prompts_path: str, model: str, *, batch_size: int = 16,
     finally:
         shutdown_engine(llm)
     published = sum(n for tier, n in report.reloaded.items() if tier != "shared")
-    log.info("kvcache: warmed %d prompts (%d tokens) in %.1f s: %d tokens published now, %d already "
-             "shared", report.prompts, report.tokens, report.seconds, published, report.reloaded.get("shared", 0))
+    log.info(
+        "kvcache: warmed %d prompts (%d tokens) in %.1f s: %d tokens published now, %d already shared",
+        report.prompts,
+        report.tokens,
+        report.seconds,
+        published,
+        report.reloaded.get("shared", 0),
+    )
     if report.prompts and not report.reloaded:
-        log.warning("kvcache: warm-up reloaded nothing: are the local tiers large enough for one "
-                    "batch (KVCACHE_DRAM_SIZE, KVCACHE_DISK_SIZE, --batch)?")
+        log.warning(
+            "kvcache: warm-up reloaded nothing: are the local tiers large enough for one "
+            "batch (KVCACHE_DRAM_SIZE, KVCACHE_DISK_SIZE, --batch)?"
+        )
     return report
 
 
@@ -152,8 +161,16 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"prompts": report.prompts, "tokens": report.tokens,
-                      "seconds": round(report.seconds, 2), "reloaded": report.reloaded}))
+    print(
+        json.dumps(
+            {
+                "prompts": report.prompts,
+                "tokens": report.tokens,
+                "seconds": round(report.seconds, 2),
+                "reloaded": report.reloaded,
+            }
+        )
+    )
     return 0
 
 

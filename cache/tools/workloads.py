@@ -68,7 +68,7 @@ def zipf_weights(n: int, s: float) -> List[float]:
     return [1.0 / (i + 1) ** s for i in range(n)]
 
 
-Labelled = List[Tuple[float, List[Hashable]]]     # (arrival ms, content labels) per request
+Labelled = List[Tuple[float, List[Hashable]]]  # (arrival ms, content labels) per request
 
 
 def _number(rng: random.Random, labelled: Labelled) -> List[Request]:
@@ -93,11 +93,22 @@ class _Labels:
         return [("u", i) for i in range(self.n - k, self.n)]
 
 
-def chat(seed: int = 0, scale: float = 1.0, *, sessions: int = 7400,
-         sessions_per_s: float = 2.1, first_continue: float = 0.31, max_continue: float = 0.7,
-         think_s: float = 98.0, min_think_s: float = 25.0, system_blocks: int = 1,
-         first_blocks: Tuple[float, float] = (11, 21), turn_blocks: Tuple[float, float] = (2, 4), branch: float = 0.18,
-         max_blocks: int = 256) -> List[Request]:
+def chat(
+    seed: int = 0,
+    scale: float = 1.0,
+    *,
+    sessions: int = 7400,
+    sessions_per_s: float = 2.1,
+    first_continue: float = 0.31,
+    max_continue: float = 0.7,
+    think_s: float = 98.0,
+    min_think_s: float = 25.0,
+    system_blocks: int = 1,
+    first_blocks: Tuple[float, float] = (11, 21),
+    turn_blocks: Tuple[float, float] = (2, 4),
+    branch: float = 0.18,
+    max_blocks: int = 256,
+) -> List[Request]:
     """Multi-turn conversations (defaults: calibrated on Mooncake's conversation trace).
 
     ``sessions`` arrive at ``sessions_per_s`` (Poisson). After turn *t* a session goes on
@@ -116,7 +127,7 @@ def chat(seed: int = 0, scale: float = 1.0, *, sessions: int = 7400,
         start += rng.expovariate(sessions_per_s * scale) * 1000
         labels = system + text.fresh(lognormal_blocks(rng, *first_blocks, cap=max_blocks))
         at, turn, history = start, 1, []
-        pace = think_s * rng.lognormvariate(0.0, 0.72)     # a user's own pace
+        pace = think_s * rng.lognormvariate(0.0, 0.72)  # a user's own pace
         while True:
             out.append((at, labels))
             history.append(labels)
@@ -126,7 +137,7 @@ def chat(seed: int = 0, scale: float = 1.0, *, sessions: int = 7400,
             turn += 1
             at += (min_think_s + pace * rng.lognormvariate(0.0, 1.08)) * 1000
             if rng.random() < branch:
-                labels = rng.choice(history)        # edit or regenerate an earlier turn
+                labels = rng.choice(history)  # edit or regenerate an earlier turn
             room = max_blocks - (len(labels) - 1)
             if room < 1:
                 break
@@ -137,13 +148,29 @@ def chat(seed: int = 0, scale: float = 1.0, *, sessions: int = 7400,
 
 def chat_agent(seed: int = 0, scale: float = 1.0) -> List[Request]:
     """Long sessions, short think times, fewer sessions: 6 turns on average, 15 s."""
-    return chat(seed, scale, sessions=1800, sessions_per_s=0.5, first_continue=0.8,
-                max_continue=0.85, think_s=15.0, first_blocks=(8, 16), turn_blocks=(2, 4))
+    return chat(
+        seed,
+        scale,
+        sessions=1800,
+        sessions_per_s=0.5,
+        first_continue=0.8,
+        max_continue=0.85,
+        think_s=15.0,
+        first_blocks=(8, 16),
+        turn_blocks=(2, 4),
+    )
 
 
-def _zipf_pool(rng: random.Random, n: int, pool: int, s: float,
-               prefix: Callable[[int], List[Hashable]], tail: Callable[[], List[Hashable]],
-               shift_at: int = -1, per_s: float = 3.0) -> Labelled:
+def _zipf_pool(
+    rng: random.Random,
+    n: int,
+    pool: int,
+    s: float,
+    prefix: Callable[[int], List[Hashable]],
+    tail: Callable[[], List[Hashable]],
+    shift_at: int = -1,
+    per_s: float = 3.0,
+) -> Labelled:
     """``n`` requests arriving at ``per_s`` (Poisson): ``prefix(item)`` for an item drawn
     Zipf(``s``) from ``pool``, then ``tail()``. At request ``shift_at`` the popularity
     ranks are reshuffled."""
@@ -176,9 +203,17 @@ def _draw(rng: random.Random, cum: List[float]) -> int:
     return lo
 
 
-def rag(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int = 3000,
-        s: float = 0.9, doc_blocks: Tuple[float, float] = (6, 9), system_blocks: int = 2,
-        question_blocks: Tuple[float, float] = (1, 1.5)) -> List[Request]:
+def rag(
+    seed: int = 0,
+    scale: float = 1.0,
+    *,
+    requests: int = 10000,
+    docs: int = 3000,
+    s: float = 0.9,
+    doc_blocks: Tuple[float, float] = (6, 9),
+    system_blocks: int = 2,
+    question_blocks: Tuple[float, float] = (1, 1.5),
+) -> List[Request]:
     """System prompt + 1-3 documents drawn Zipf(``s``) from ``docs`` (the first document
     fixes the ones after it: a retriever returns the same neighbours for the same top
     hit) + a unique question."""
@@ -195,43 +230,81 @@ def rag(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int =
             out += [("doc", doc, j) for j in range(length[doc])]
         return out
 
-    return _number(rng, _zipf_pool(rng, round(requests * scale), n_docs, s, prefix,
-                                   lambda: text.fresh(lognormal_blocks(rng, *question_blocks))))
+    return _number(
+        rng,
+        _zipf_pool(
+            rng, round(requests * scale), n_docs, s, prefix, lambda: text.fresh(lognormal_blocks(rng, *question_blocks))
+        ),
+    )
 
 
-def system_prompt(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, prompts: int = 6,
-                  s: float = 1.0, prompt_blocks: Tuple[float, float] = (8, 12),
-                  suffix_blocks: Tuple[float, float] = (6, 12)) -> List[Request]:
+def system_prompt(
+    seed: int = 0,
+    scale: float = 1.0,
+    *,
+    requests: int = 10000,
+    prompts: int = 6,
+    s: float = 1.0,
+    prompt_blocks: Tuple[float, float] = (8, 12),
+    suffix_blocks: Tuple[float, float] = (6, 12),
+) -> List[Request]:
     """A few shared system prompts (Zipf over ``prompts``) + a long one-off suffix."""
     rng = random.Random(seed)
     length = [lognormal_blocks(rng, *prompt_blocks) for _ in range(prompts)]
     text = _Labels()
-    return _number(rng, _zipf_pool(
-        rng, round(requests * scale), prompts, s,
-        lambda p: [("prompt", p, j) for j in range(length[p])],
-        lambda: text.fresh(lognormal_blocks(rng, *suffix_blocks))))
+    return _number(
+        rng,
+        _zipf_pool(
+            rng,
+            round(requests * scale),
+            prompts,
+            s,
+            lambda p: [("prompt", p, j) for j in range(length[p])],
+            lambda: text.fresh(lognormal_blocks(rng, *suffix_blocks)),
+        ),
+    )
 
 
-def scan(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, hot: int = 400,
-         s: float = 0.7, hot_blocks: Tuple[float, float] = (8, 10), scan_share: float = 0.1,
-         scan_blocks: Tuple[int, int] = (64, 256)) -> List[Request]:
+def scan(
+    seed: int = 0,
+    scale: float = 1.0,
+    *,
+    requests: int = 10000,
+    hot: int = 400,
+    s: float = 0.7,
+    hot_blocks: Tuple[float, float] = (8, 10),
+    scan_share: float = 0.1,
+    scan_blocks: Tuple[int, int] = (64, 256),
+) -> List[Request]:
     """A hot set of ``hot`` prefixes (Zipf(``s``)) + a unique question; one request in
     ``1/scan_share`` is instead a one-off document of 64-256 blocks (a scan)."""
     rng = random.Random(seed)
     n_hot = max(2, round(hot * scale))
     length = [lognormal_blocks(rng, *hot_blocks) for _ in range(n_hot)]
     text = _Labels()
-    labelled = _zipf_pool(rng, round(requests * scale), n_hot, s,
-                          lambda h: [("hot", h, j) for j in range(length[h])],
-                          lambda: text.fresh(1))
+    labelled = _zipf_pool(
+        rng,
+        round(requests * scale),
+        n_hot,
+        s,
+        lambda h: [("hot", h, j) for j in range(length[h])],
+        lambda: text.fresh(1),
+    )
     for i, (at, _) in enumerate(labelled):
         if rng.random() < scan_share:
             labelled[i] = (at, text.fresh(rng.randint(*scan_blocks)))
     return _number(rng, labelled)
 
 
-def shift(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int = 1500,
-          s: float = 1.0, doc_blocks: Tuple[float, float] = (8, 12)) -> List[Request]:
+def shift(
+    seed: int = 0,
+    scale: float = 1.0,
+    *,
+    requests: int = 10000,
+    docs: int = 1500,
+    s: float = 1.0,
+    doc_blocks: Tuple[float, float] = (8, 12),
+) -> List[Request]:
     """System prompt + one document, Zipf(``s``) popular; the ranks are reshuffled at the
     half-way request, so yesterday's hot documents are cold from then on."""
     rng = random.Random(seed)
@@ -239,10 +312,18 @@ def shift(seed: int = 0, scale: float = 1.0, *, requests: int = 10000, docs: int
     length = [lognormal_blocks(rng, *doc_blocks) for _ in range(n_docs)]
     text = _Labels()
     n = round(requests * scale)
-    return _number(rng, _zipf_pool(
-        rng, n, n_docs, s,
-        lambda d: [("system", 0)] + [("doc", d, j) for j in range(length[d])],
-        lambda: text.fresh(1), shift_at=n // 2))
+    return _number(
+        rng,
+        _zipf_pool(
+            rng,
+            n,
+            n_docs,
+            s,
+            lambda d: [("system", 0)] + [("doc", d, j) for j in range(length[d])],
+            lambda: text.fresh(1),
+            shift_at=n // 2,
+        ),
+    )
 
 
 WORKLOADS: Dict[str, Callable[..., List[Request]]] = {

@@ -23,5 +23,9 @@ WORKER_EXTENSION = "cache.vllm.warm_rpc.KVCacheWorkerExtension"
 
 def kv_transfer_config(config: CacheConfig) -> dict:
     """vLLM's ``--kv-transfer-config`` for our connector, carrying ``config`` resolved."""
-    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": connector_extra(config)}
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": connector_extra(config),
+    }

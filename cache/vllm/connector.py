@@ -88,8 +88,7 @@ def hit_sources(tokens_by_tier: dict[str, int], n: int) -> dict[CacheHitSource, 
 
 
 class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         config = config_from_connector(transfer.kv_connector_extra_config or {})
@@ -113,8 +112,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if off_reason:
             self.scheduler_side = self.worker_side = CacheOff(config)
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV "
-                            "cache", vllm_config.model_config.model, off_reason)
+                log.warning(
+                    "kvcache: OFF for model %s: %s; vLLM serves it without the tiered KV cache",
+                    vllm_config.model_config.model,
+                    off_reason,
+                )
             return
         weights = weights_id(vllm_config, config)  # the weights' fingerprint, in every namespace
         if role == KVConnectorRole.SCHEDULER:
@@ -127,30 +129,46 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             from cache.popularity import Popularity, Publisher
             from cache.vllm.pinning import Pinner, chunk_entry_bytes
 
-            namespaces = [engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r, weights=weights)
-                          for r in range(world)]
+            namespaces = [
+                engine_namespace(vllm_config, kv_cache_config, config.chunk_tokens, r, weights=weights)
+                for r in range(world)
+            ]
             entry_bytes = chunk_entry_bytes(kv_cache_config, config.chunk_tokens)
             pinner = Pinner(config, [ns.id for ns in namespaces], entry_bytes)
             popularity = Popularity() if config.has_shared else None
-            self.scheduler_side = side = SchedulerSide(config, namespaces, block_size,
-                                                       lambda: self._kv_cache_manager, layout,
-                                                       vllm_config.cache_config.prefix_cache_retention_interval,
-                                                       bytes_per_block(kv_cache_config), pinner,
-                                                       tier_curves(config, entry_bytes * world), popularity,
-                                                       kind_block_bytes(kv_cache_config, layout))
+            self.scheduler_side = side = SchedulerSide(
+                config,
+                namespaces,
+                block_size,
+                lambda: self._kv_cache_manager,
+                layout,
+                vllm_config.cache_config.prefix_cache_retention_interval,
+                bytes_per_block(kv_cache_config),
+                pinner,
+                tier_curves(config, entry_bytes * world),
+                popularity,
+                kind_block_bytes(kv_cache_config, layout),
+            )
             if popularity is not None:  # this node's popularity note, in every rank's shared folder
                 self.popularity = Publisher(popularity, [v.shared for v in side.views])
                 self.popularity.start()
-            log.info("kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
-                     "disk %s (%s bytes), shared %s; policy %s", config.chunk_tokens, block_size,
-                     config.dram_path, f"{config.dram_bytes:,}", config.disk_path,
-                     f"{config.disk_bytes:,}", config.shared_url or "off", config.policy)
+            log.info(
+                "kvcache: chunk %d tokens (%d-token blocks); dram %s (%s bytes), "
+                "disk %s (%s bytes), shared %s; policy %s",
+                config.chunk_tokens,
+                block_size,
+                config.dram_path,
+                f"{config.dram_bytes:,}",
+                config.disk_path,
+                f"{config.disk_bytes:,}",
+                config.shared_url or "off",
+                config.policy,
+            )
             if layout.hybrid:
                 log.info("kvcache: hybrid KV cache groups: %s", layout.describe())
             from cache.vllm.events import tier_events
 
-            self.kv_events = tier_events(vllm_config, config, namespaces[0].id, world, layout.hybrid,
-                                         side.views[0])
+            self.kv_events = tier_events(vllm_config, config, namespaces[0].id, world, layout.hybrid, side.views[0])
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -195,8 +213,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_side is not None:
-            self.worker_side.step_begins(connector_metadata if isinstance(connector_metadata, TieredKVMetadata)
-                                         else None)
+            self.worker_side.step_begins(
+                connector_metadata if isinstance(connector_metadata, TieredKVMetadata) else None
+            )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -315,6 +334,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             params["kvcache_pin"] = pin
         return False, (params or None)
 
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished(request, block_ids[0] if block_ids else [])

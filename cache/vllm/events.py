@@ -91,21 +91,32 @@ def chunk_blocks(request, start: int, end: int, block_size: int) -> Optional[Chu
     first, last = start // block_size, min(end // block_size, len(hashes))
     if last <= first:
         return None
-    extra = [generate_block_hash_extra_keys(request, j * block_size, (j + 1) * block_size, 0)[0]
-             for j in range(first, last)]
+    extra = [
+        generate_block_hash_extra_keys(request, j * block_size, (j + 1) * block_size, 0)[0] for j in range(first, last)
+    ]
     lora = request.lora_request
-    return ChunkBlocks([maybe_convert_block_hash(hashes[j]) for j in range(first, last)],
-                       maybe_convert_block_hash(hashes[first - 1]) if first else None,
-                       list(request.all_token_ids[first * block_size:last * block_size]),
-                       lora.adapter_id if lora else None, lora.name if lora else None,
-                       to_event_extra_keys(extra), getattr(request, "session_id", None))
+    return ChunkBlocks(
+        [maybe_convert_block_hash(hashes[j]) for j in range(first, last)],
+        maybe_convert_block_hash(hashes[first - 1]) if first else None,
+        list(request.all_token_ids[first * block_size : last * block_size]),
+        lora.adapter_id if lora else None,
+        lora.name if lora else None,
+        to_event_extra_keys(extra),
+        getattr(request, "session_id", None),
+    )
 
 
 class TierEvents:
     """The scheduler's record of what each tier holds, as vLLM KV events."""
 
-    def __init__(self, tiers: Sequence[TierId], world: int, block_size: int, snapshot: Optional[str] = None,
-                 present: Optional[Callable[[str, str], Optional[bool]]] = None) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[TierId],
+        world: int,
+        block_size: int,
+        snapshot: Optional[str] = None,
+        present: Optional[Callable[[str, str], Optional[bool]]] = None,
+    ) -> None:
         """``tiers``: the tiers' identities (an event names a tier's medium and locality);
         ``world``: ranks (a chunk is held once every rank's entry is); ``snapshot``: the file
         that keeps announced hashes across restarts; ``present(tier, key)``: whether a tier
@@ -114,10 +125,10 @@ class TierEvents:
         self.tiers = list(self.ids)
         self.world = world
         self.block_size = block_size
-        self.recent: OrderedDict[str, ChunkBlocks] = OrderedDict()   # key -> blocks, until stored
+        self.recent: OrderedDict[str, ChunkBlocks] = OrderedDict()  # key -> blocks, until stored
         # tier -> key -> (hashes, parent hash): what was announced, until announced removed
         self.held: dict[str, OrderedDict] = {t: OrderedDict() for t in self.tiers}
-        self._ranks: dict[tuple[str, str], int] = {}   # (tier, key) -> ranks holding it (world > 1)
+        self._ranks: dict[tuple[str, str], int] = {}  # (tier, key) -> ranks holding it (world > 1)
         self._requests: set[str] = set()
         self.pending: deque = deque()
         self.dropped = 0
@@ -197,18 +208,37 @@ class TierEvents:
         medium, locality = self.ids[tier].medium.value, self.ids[tier].locality.value
         if blocks is not None:
             held[key] = (blocks.hashes, blocks.parent)
-            event = BlockStored(block_hashes=blocks.hashes, parent_block_hash=blocks.parent,
-                                token_ids=blocks.tokens, block_size=self.block_size, lora_id=blocks.lora_id,
-                                medium=medium, lora_name=blocks.lora_name, extra_keys=blocks.extra_keys,
-                                group_idx=0, locality=locality, ownership=tier, session_id=blocks.session_id)
+            event = BlockStored(
+                block_hashes=blocks.hashes,
+                parent_block_hash=blocks.parent,
+                token_ids=blocks.tokens,
+                block_size=self.block_size,
+                lora_id=blocks.lora_id,
+                medium=medium,
+                lora_name=blocks.lora_name,
+                extra_keys=blocks.extra_keys,
+                group_idx=0,
+                locality=locality,
+                ownership=tier,
+                session_id=blocks.session_id,
+            )
         else:  # no request seen here: a chunk announced in another tier (before a restart) moved
             known = known or next((h[key] for h in self.held.values() if key in h), None)
             if known is None:
                 return  # another engine's chunk: unknown blocks
             held[key] = known
-            event = BlockStored(block_hashes=known[0], parent_block_hash=known[1], token_ids=[],
-                                block_size=self.block_size, lora_id=None, medium=medium, lora_name=None,
-                                group_idx=0, locality=locality, ownership=tier)
+            event = BlockStored(
+                block_hashes=known[0],
+                parent_block_hash=known[1],
+                token_ids=[],
+                block_size=self.block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=0,
+                locality=locality,
+                ownership=tier,
+            )
         self.emit(event)
         if len(held) > MAX_HELD:
             self._removed(tier, next(iter(held)))
@@ -216,16 +246,24 @@ class TierEvents:
     def _removed(self, tier: str, key: str) -> None:
         known = self.held[tier].pop(key, None)
         if known is not None:
-            self.emit(BlockRemoved(block_hashes=known[0], medium=self.ids[tier].medium.value, group_idx=0,
-                                    locality=self.ids[tier].locality.value, ownership=tier))
+            self.emit(
+                BlockRemoved(
+                    block_hashes=known[0],
+                    medium=self.ids[tier].medium.value,
+                    group_idx=0,
+                    locality=self.ids[tier].locality.value,
+                    ownership=tier,
+                )
+            )
 
     def emit(self, event) -> None:
         """Queue ``event`` for vLLM's next ``take``; beyond ``MAX_PENDING`` it is dropped (counted)."""
         if len(self.pending) >= MAX_PENDING:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 10000 == 0:
-                log.warning("kvcache: %d KV events dropped (more than %d between two engine steps)",
-                            self.dropped, MAX_PENDING)
+                log.warning(
+                    "kvcache: %d KV events dropped (more than %d between two engine steps)", self.dropped, MAX_PENDING
+                )
             return
         self.pending.append(event)
         if self._snapshot is not None:
@@ -246,8 +284,9 @@ class TierEvents:
             return
         if saved.get("block_size") != self.block_size:
             return
-        known: dict[str, tuple] = {key: ([_unhex(h) for h in hashes], _unhex(parent))
-                                   for key, hashes, parent in saved.get("recent", [])}
+        known: dict[str, tuple] = {
+            key: ([_unhex(h) for h in hashes], _unhex(parent)) for key, hashes, parent in saved.get("recent", [])
+        }
         for tier, entries in saved.get("tiers", {}).items():
             if tier not in self.held:
                 continue
@@ -278,9 +317,14 @@ class TierEvents:
             for key in found:
                 self._stored(tier, key, self._restored[key])
             self._unsettled.remove(tier)
-            log.info("kvcache: KV events after the restart, tier %s: %d chunks announced before it still held, "
-                     "%d announced removed, %d written after its last step announced", tier,
-                     len(held) - len(found), len(gone), len(found))
+            log.info(
+                "kvcache: KV events after the restart, tier %s: %d chunks announced before it still held, "
+                "%d announced removed, %d written after its last step announced",
+                tier,
+                len(held) - len(found),
+                len(gone),
+                len(found),
+            )
         if not self._unsettled:
             self._restored = {}
 
@@ -298,10 +342,13 @@ class TierEvents:
         held = {tier: list(entries.items()) for tier, entries in self.held.items()}  # (each copy is atomic)
         recent = [(k, (b.hashes, b.parent)) for k, b in list(self.recent.items())]
         recent += list(self._restored.items())  # (kept until every tier is settled)
-        data = {"block_size": self.block_size,
-                "tiers": {t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items]
-                          for t, items in held.items()},
-                "recent": [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in recent]}
+        data = {
+            "block_size": self.block_size,
+            "tiers": {
+                t: [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in items] for t, items in held.items()
+            },
+            "recent": [[k, [_hex(h) for h in hs], _hex(parent)] for k, (hs, parent) in recent],
+        }
         tmp = f"{snapshot}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
@@ -336,11 +383,12 @@ def tier_events(vllm_config, config, namespace_id: str, world: int, hybrid: bool
     if events_config is None or not events_config.enable_kv_cache_events:
         return None
     if hybrid:
-        log.warning("kvcache: KV events of the tiers are not published for hybrid models (several KV "
-                    "cache groups); vLLM's own events are")
+        log.warning(
+            "kvcache: KV events of the tiers are not published for hybrid models (several KV "
+            "cache groups); vLLM's own events are"
+        )
         return None
     specs = config.tiers()
     local = [s for s in specs if not s.shared]
     snapshot = os.path.join(local[-1].location, f".kvevents-{namespace_id}.json") if local else None
-    return TierEvents([s.id for s in specs], world, vllm_config.cache_config.block_size, snapshot,
-                      present=view.holds)
+    return TierEvents([s.id for s in specs], world, vllm_config.cache_config.block_size, snapshot, present=view.holds)

@@ -58,11 +58,11 @@ def cdiv(a: int, b: int) -> int:
 class EntryKind:
     """KV cache groups stored together, one entry per chunk."""
 
-    tag: str                        # "" (full attention) or "swa<reach>"
-    group_ids: tuple[int, ...]      # vLLM's KV cache group indexes
-    layer_names: tuple[str, ...]    # every layer of those groups, in entry order
-    layer_groups: tuple[int, ...]   # for each layer, its position in group_ids
-    reach: Optional[int] = None     # tokens before a new token that it reads; None: all
+    tag: str  # "" (full attention) or "swa<reach>"
+    group_ids: tuple[int, ...]  # vLLM's KV cache group indexes
+    layer_names: tuple[str, ...]  # every layer of those groups, in entry order
+    layer_groups: tuple[int, ...]  # for each layer, its position in group_ids
+    reach: Optional[int] = None  # tokens before a new token that it reads; None: all
 
     @property
     def full(self) -> bool:
@@ -85,8 +85,9 @@ class EntryKind:
             first = max(first, max(0, end - 1 - self.reach) // block_size)
         return first, last
 
-    def load_blocks(self, start: int, end: int, skip: int, hit_end: int,
-                    block_ids: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    def load_blocks(
+        self, start: int, end: int, skip: int, hit_end: int, block_ids: Sequence[Sequence[int]], block_size: int
+    ) -> list[int]:
         """The blocks a load of this kind's entry of chunk ``[start, end)`` fills, for a
         hit ending at ``hit_end``: past the entry's first ``skip`` blocks, one run per
         group of the kind, back to back (``block_ids``: vLLM's, one list per group)."""
@@ -94,8 +95,9 @@ class EntryKind:
         last = cdiv(min(end, hit_end), block_size)
         return [b for g in self.group_ids for b in block_ids[g][first:last]]
 
-    def save_blocks(self, start: int, end: int, block_ids: Sequence[Sequence[int]], null: int,
-                    block_size: int) -> Optional[list[int]]:
+    def save_blocks(
+        self, start: int, end: int, block_ids: Sequence[Sequence[int]], null: int, block_size: int
+    ) -> Optional[list[int]]:
         """The blocks a save of chunk ``[start, end)`` copies into this kind's entry, one
         run per group back to back; None when vLLM already freed part of a window
         (``null``: its null block id)."""
@@ -115,7 +117,7 @@ class EntryKind:
 
 @dataclass(frozen=True)
 class GroupLayout:
-    kinds: tuple[EntryKind, ...]    # full attention first
+    kinds: tuple[EntryKind, ...]  # full attention first
     block_size: int
     off_reason: Optional[str] = None  # why the cache cannot serve this model; None: it can
 
@@ -162,7 +164,8 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
             continue  # a replica vLLM rebuilds from another group after a load
         why = None
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec) or (
-                len(groups) == 1 and isinstance(spec, FullAttentionSpec)):  # one group: as ever
+            len(groups) == 1 and isinstance(spec, FullAttentionSpec)
+        ):  # one group: as ever
             reach = None
         elif type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
             reach = spec.sliding_window - 1 + spec.extra_retained_tokens
@@ -179,8 +182,15 @@ def group_layout(kv_cache_config, block_size: int) -> GroupLayout:
         tag = FULL_TAG if reach is None else f"swa{reach}"
         by_tag.setdefault(tag, []).append(gid)
         reaches[tag] = reach
-        shapes.setdefault(tag, set()).add((type(spec), spec.page_size_bytes, getattr(spec, "num_kv_heads", None),
-                                           getattr(spec, "head_size", None), str(spec.dtype)))
+        shapes.setdefault(tag, set()).add(
+            (
+                type(spec),
+                spec.page_size_bytes,
+                getattr(spec, "num_kv_heads", None),
+                getattr(spec, "head_size", None),
+                str(spec.dtype),
+            )
+        )
     if not by_tag:
         return GroupLayout((), block_size, "no KV cache group can be transferred")
     kinds = []
@@ -201,8 +211,10 @@ def kind_block_bytes(kv_cache_config, layout: GroupLayout) -> tuple[int, ...]:
     from vLLM's ``KVCacheConfig``: what the scheduler's cost model prices a load with.
     Empty when the cache is off for the model."""
     groups = kv_cache_config.kv_cache_groups
-    return tuple(sum(int(groups[g].kv_cache_spec.page_size_bytes) * len(groups[g].layer_names)
-                     for g in kind.group_ids) for kind in layout.kinds)
+    return tuple(
+        sum(int(groups[g].kv_cache_spec.page_size_bytes) * len(groups[g].layer_names) for g in kind.group_ids)
+        for kind in layout.kinds
+    )
 
 
 def null_block(kv_cache_manager) -> int:
@@ -213,25 +225,32 @@ def null_block(kv_cache_manager) -> int:
 
 # -- per request (scheduler) ---------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class EntryLoad:
-    kind: int          # index into GroupLayout.kinds
-    chunk: int         # chunk index
-    first_block: int   # first block (absolute) to load; the entry's earlier ones are skipped
-    tier: int          # slowest tier any rank holds the entry in
+    kind: int  # index into GroupLayout.kinds
+    chunk: int  # chunk index
+    first_block: int  # first block (absolute) to load; the entry's earlier ones are skipped
+    tier: int  # slowest tier any rank holds the entry in
 
 
 @dataclass
 class HitPlan:
-    chunks: int                       # the hit covers chunks [0, chunks)
-    hit_end: int                      # tokens computed once loaded
+    chunks: int  # the hit covers chunks [0, chunks)
+    hit_end: int  # tokens computed once loaded
     loads: list[EntryLoad] = field(default_factory=list)
-    junction: Optional[int] = None    # a longer full-attention hit whose window is missing
+    junction: Optional[int] = None  # a longer full-attention hit whose window is missing
 
 
-def plan_hit(layout: GroupLayout, bounds: Sequence[tuple[int, int]], n_tokens: int, computed: int,
-             full_run: int, tiers_of: Callable[[int, int], Optional[int]],
-             full_tiers: Sequence[int]) -> Optional[HitPlan]:
+def plan_hit(
+    layout: GroupLayout,
+    bounds: Sequence[tuple[int, int]],
+    n_tokens: int,
+    computed: int,
+    full_run: int,
+    tiers_of: Callable[[int, int], Optional[int]],
+    full_tiers: Sequence[int],
+) -> Optional[HitPlan]:
     """The longest hit past ``computed`` tokens for which every kind has what it needs.
 
     ``bounds``: the prompt's chunks ``(start, end)``; ``full_run``: leading chunks whose
@@ -266,8 +285,11 @@ def plan_hit(layout: GroupLayout, bounds: Sequence[tuple[int, int]], n_tokens: i
             break  # a window entry is missing: try a shorter hit
         else:
             for f in fulls:
-                loads += [EntryLoad(f, c, max(computed // B, bounds[c][0] // B), full_tiers[c])
-                          for c in range(j + 1) if bounds[c][1] > computed]
+                loads += [
+                    EntryLoad(f, c, max(computed // B, bounds[c][0] // B), full_tiers[c])
+                    for c in range(j + 1)
+                    if bounds[c][1] > computed
+                ]
             plan = HitPlan(j + 1, hit_end, loads)
             if fulls and j < full_run - 1:
                 plan.junction = min(bounds[full_run - 1][1], n_tokens - 1)
@@ -279,8 +301,9 @@ def plan_hit(layout: GroupLayout, bounds: Sequence[tuple[int, int]], n_tokens: i
     return None
 
 
-def checkpoints(bounds: Sequence[tuple[int, int]], n_tokens: int, chunk_tokens: int,
-                interval: Optional[int]) -> set[int]:
+def checkpoints(
+    bounds: Sequence[tuple[int, int]], n_tokens: int, chunk_tokens: int, interval: Optional[int]
+) -> set[int]:
     """Hit ends whose windows a request stores: its end, its last whole chunk, and the
     periodic ones (``interval``: vLLM's ``prefix_cache_retention_interval``)."""
     if not bounds:
@@ -295,8 +318,7 @@ def checkpoints(bounds: Sequence[tuple[int, int]], n_tokens: int, chunk_tokens: 
     return ends
 
 
-def window_chunks(kind: EntryKind, bounds: Sequence[tuple[int, int]], ends: set[int],
-                  block_size: int) -> set[int]:
+def window_chunks(kind: EntryKind, bounds: Sequence[tuple[int, int]], ends: set[int], block_size: int) -> set[int]:
     """Chunks whose ``kind`` entries the hits ending at ``ends`` need."""
     out: set[int] = set()
     for h in ends:

@@ -28,8 +28,9 @@ def entry(chunks: Sequence, kind: int, i: int) -> tuple[str, Optional[str]]:
     return c.keys[kind], c.keys[0]
 
 
-def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: int,
-             computed: int) -> tuple[Optional[HitPlan], list[str], list[int]]:
+def find_hit(
+    layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: int, computed: int
+) -> tuple[Optional[HitPlan], list[str], list[int]]:
     """The longest hit every entry kind can serve (``groups.plan_hit``) with one lookup
     view per rank, the keys that would make it longer but are missing (to wait for
     saves in flight or the shared tier), and the tier of each leading full-attention
@@ -55,22 +56,25 @@ def find_hit(layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: i
     else:
         run, full_tiers, missing = len(chunks), [], []
     bounds = [(c.start, c.end) for c in chunks]
-    plan = plan_hit(layout, bounds, n_tokens, computed, run,
-                    lambda kind, i: tier_of(chunks[i].keys[kind]), full_tiers)
+    plan = plan_hit(layout, bounds, n_tokens, computed, run, lambda kind, i: tier_of(chunks[i].keys[kind]), full_tiers)
     if chunks and layout.windows:  # the windows the whole prompt's hit needs
         longest = min(chunks[-1].end, n_tokens - 1)
         for w, kind in enumerate(kinds):
             if not kind.full:
                 need = window_chunks(kind, bounds, {longest}, layout.block_size)
-                missing += [chunks[i].keys[w] for i in sorted(need)
-                            if chunks[i].end > computed and tier_of(chunks[i].keys[w]) is None]
+                missing += [
+                    chunks[i].keys[w]
+                    for i in sorted(need)
+                    if chunks[i].end > computed and tier_of(chunks[i].keys[w]) is None
+                ]
     if layout.hybrid:
-        full_tiers = full_tiers[:plan.chunks if plan is not None else 0]
+        full_tiers = full_tiers[: plan.chunks if plan is not None else 0]
     return plan, missing, full_tiers
 
 
-def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int,
-               tier_names: Sequence[str]) -> tuple[dict[str, int], list[ChunkIO]]:
+def plan_loads(
+    layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int, tier_names: Sequence[str]
+) -> tuple[dict[str, int], list[ChunkIO]]:
     """The prompt tokens the hit serves per tier (a chunk counts under the slowest tier
     of its entries) and one ``ChunkIO`` per entry to load (block ids filled in once vLLM
     allocates them). Each token is counted once, on the first entry of its chunk; those
@@ -94,13 +98,13 @@ def plan_loads(layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: i
         c = chunks[x.chunk]
         held_from = layout.kinds[x.kind].blocks(c.start, c.end, B)[0]
         n = tokens.pop(x.chunk, 0) + (rest if not out else 0)
-        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n,
-                           tier=tier_names[x.tier]))
+        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n, tier=tier_names[x.tier]))
     return planned, out
 
 
-def load_spans(layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes: Sequence[int],
-               tier_names: Sequence[str]) -> tuple[list[tuple[int, int, str]], Optional[list[int]]]:
+def load_spans(
+    layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes: Sequence[int], tier_names: Sequence[str]
+) -> tuple[list[tuple[int, int, str]], Optional[list[int]]]:
     """A hit's loads for the cost model (``LoadPlanner.plan``): per chunk to load, its
     tokens in the hit and its tier, in order (bytes: None, the planner's per block).
 
@@ -110,8 +114,9 @@ def load_spans(layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes:
     reads whole entries: a window entry holds only its chunk's blocks under the window;
     ``kind_bytes``: per block of each kind, empty when unknown)."""
     if not layout.hybrid:
-        return [(chunks[x.chunk].start, min(chunks[x.chunk].end, plan.hit_end), tier_names[x.tier])
-                for x in plan.loads], None
+        return [
+            (chunks[x.chunk].start, min(chunks[x.chunk].end, plan.hit_end), tier_names[x.tier]) for x in plan.loads
+        ], None
     B = layout.block_size
     spans, sizes = [], []
     for x in sorted(plan.loads, key=lambda x: (min(chunks[x.chunk].end, plan.hit_end), x.kind)):

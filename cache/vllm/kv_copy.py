@@ -96,18 +96,25 @@ class Gathered:
 
     def then(self, settled: Callable[[str], None]) -> Callable[[str], None]:
         """``settled(key)``, after releasing the slot: the store's ``on_done``."""
+
         def done(key: str) -> None:
             self.release()
             settled(key)
+
         return done
 
 
 class BlockCopier:
     """Moves whole blocks between the KV cache and host entries."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout,
-                 layer_groups: Optional[Sequence[int]] = None, staging: Optional[StagingPool] = None,
-                 streams=None) -> None:
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layout: KVLayout,
+        layer_groups: Optional[Sequence[int]] = None,
+        staging: Optional[StagingPool] = None,
+        streams=None,
+    ) -> None:
         """``staging``: the worker's pool (None: a new host tensor per gather, pageable).
         ``streams``: the stream calls (default: ``CudaStreams`` for a CUDA cache, none on
         the CPU); a test passes a recorder, which runs the stream path on CPU tensors."""
@@ -133,11 +140,14 @@ class BlockCopier:
         """Whether entries can be read straight into this cache's blocks (``place``): CPU
         tensors, one KV cache group, contiguous layers whose blocks are not split
         (so a layer's memory is its blocks in canonical order, one after the other)."""
-        return (not self.cuda and self.n_groups == 1 and self.layout.split == 1
-                and all(t.is_contiguous() for t in self._layers))
+        return (
+            not self.cuda
+            and self.n_groups == 1
+            and self.layout.split == 1
+            and all(t.is_contiguous() for t in self._layers)
+        )
 
-    def place(self, block_ids: Sequence[int], skip_blocks: int, dtype: str,
-              shape: Sequence[int]) -> list[memoryview]:
+    def place(self, block_ids: Sequence[int], skip_blocks: int, dtype: str, shape: Sequence[int]) -> list[memoryview]:
         """Where each byte of an entry (``dtype``, ``shape``: ``[layers, held blocks, ...]``)
         goes when read straight into ``block_ids``: writable views in payload order, the
         entry's blocks ``skip_blocks .. skip_blocks + len(block_ids)`` into the cache and
@@ -154,11 +164,11 @@ class BlockCopier:
         views: list[memoryview] = []
         for raw in self._bytes:
             if skip_blocks:
-                views.append(scratch[:skip_blocks * block_bytes])
+                views.append(scratch[: skip_blocks * block_bytes])
             for _pos, first, length in runs:
-                views.append(memoryview(raw[first * block_bytes:(first + length) * block_bytes]))
+                views.append(memoryview(raw[first * block_bytes : (first + length) * block_bytes]))
             if held > skip_blocks + n:
-                views.append(scratch[:(held - skip_blocks - n) * block_bytes])
+                views.append(scratch[: (held - skip_blocks - n) * block_bytes])
         return views
 
     def _per_group(self, block_ids: Sequence[int]) -> int:
@@ -180,7 +190,7 @@ class BlockCopier:
         n blocks, ...]``, any strides): slice copies per run of consecutive blocks, or
         ``index_copy_``/``index_select`` when the blocks are scattered."""
         n = self._per_group(block_ids)
-        runs = [_runs(block_ids[g * n:(g + 1) * n]) for g in range(self.n_groups)]
+        runs = [_runs(block_ids[g * n : (g + 1) * n]) for g in range(self.n_groups)]
         if max(len(r) for r in runs) > MAX_SLICE_RUNS:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
@@ -245,8 +255,9 @@ class BlockCopier:
             s.synchronize(done)
 
         pool = self.staging
-        return Gathered(host, wait,
-                        (lambda: pool.release(slot, after=done)) if slot is not None and pool is not None else _done)
+        return Gathered(
+            host, wait, (lambda: pool.release(slot, after=done)) if slot is not None and pool is not None else _done
+        )
 
     def fence(self) -> None:
         """Make the calling thread's (compute) stream wait for the gathers issued since
@@ -280,8 +291,10 @@ class BlockCopier:
             return
         held = src.shape[1] if src.ndim > 1 else 0
         if held < skip_blocks + n or tuple(src.shape) != self.layout.entry_shape(held):
-            raise ValueError(f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks "
-                             f"of {self.layout.entry_shape(skip_blocks + n)}")
+            raise ValueError(
+                f"entry shape {tuple(src.shape)} does not fit {skip_blocks + n} blocks "
+                f"of {self.layout.entry_shape(skip_blocks + n)}"
+            )
         part = self.layout.entry_words(src).narrow(1, skip_blocks, n)
         if not self.cuda:
             self._cpu_copy(block_ids, part, into_cache=True)
@@ -312,8 +325,9 @@ class BlockCopier:
             s.synchronize(done)  # the blocks hold the data before the load is reported
 
 
-def copiers_for(kv_caches: dict[str, torch.Tensor], groups, num_blocks: int, chunk_blocks: int,
-                staging_bytes: int, tiers: str = "") -> tuple[list[BlockCopier], StagingPool]:
+def copiers_for(
+    kv_caches: dict[str, torch.Tensor], groups, num_blocks: int, chunk_blocks: int, staging_bytes: int, tiers: str = ""
+) -> tuple[list[BlockCopier], StagingPool]:
     """One copier per entry kind of ``groups`` (``cache.vllm.groups.GroupLayout``) over
     vLLM's views, and the staging pool they share: ``staging_bytes`` in slots of the
     largest chunk entry (``chunk_blocks`` blocks). ``ValueError``: views it cannot read."""
@@ -325,8 +339,14 @@ def copiers_for(kv_caches: dict[str, torch.Tensor], groups, num_blocks: int, chu
             names, layer_groups = tuple(kv_caches), None
         layout = KVLayout.of({n: kv_caches[n] for n in names}, num_blocks)
         layouts.append((layout, layer_groups))
-        log.info("kvcache: %d KV layers%s, %s, %d bytes per block; tiers: %s", len(names),
-                 f" ({kind.tag})" if kind.tag else "", layout.describe(), layout.bytes_per_block(), tiers)
+        log.info(
+            "kvcache: %d KV layers%s, %s, %d bytes per block; tiers: %s",
+            len(names),
+            f" ({kind.tag})" if kind.tag else "",
+            layout.describe(),
+            layout.bytes_per_block(),
+            tiers,
+        )
     device = next(iter(kv_caches.values())).device
     pool = staging_pool(staging_bytes, max(lay.bytes_per_block() for lay, _ in layouts) * chunk_blocks, device)
     log.info("kvcache: %s on %s (KVCACHE_STAGING_SIZE)", pool.describe(), device)

@@ -53,22 +53,30 @@ def _canonical(name: str, t: torch.Tensor, num_blocks: int) -> tuple[torch.Tenso
     canonical order (a view, no copy); the block's shape in the cache's dtype (as
     entries record it); the kernel blocks per manager block."""
     if t.ndim < 2:
-        raise ValueError(f"KV layer {name} is a flat {tuple(t.shape)} buffer, not a view per block "
-                         "(a KV cache spec without per-layer views); the tiered cache cannot copy its blocks")
+        raise ValueError(
+            f"KV layer {name} is a flat {tuple(t.shape)} buffer, not a view per block "
+            "(a KV cache spec without per-layer views); the tiered cache cannot copy its blocks"
+        )
     rows = t.shape[0]
     if num_blocks <= 0 or rows % num_blocks:
-        raise ValueError(f"KV layer {name}: {rows} rows in dimension 0 of {tuple(t.shape)} are not a "
-                         f"whole number of kernel blocks per KV cache block ({num_blocks} blocks)")
+        raise ValueError(
+            f"KV layer {name}: {rows} rows in dimension 0 of {tuple(t.shape)} are not a "
+            f"whole number of kernel blocks per KV cache block ({num_blocks} blocks)"
+        )
     if t.stride(-1) != 1:
-        raise ValueError(f"KV layer {name}: its innermost dimension is not contiguous (strides "
-                         f"{t.stride()}); no vLLM layout does that")
+        raise ValueError(
+            f"KV layer {name}: its innermost dimension is not contiguous (strides "
+            f"{t.stride()}); no vLLM layout does that"
+        )
     split = rows // num_blocks
     if split == 1:
         return t, tuple(t.shape[1:]), 1
     if t.ndim != 4:
-        raise ValueError(f"KV layer {name}: kernel blocks ({split} per KV cache block) in a "
-                         f"{t.ndim}-dimensional view {tuple(t.shape)}; only [blocks, heads, tokens, content] "
-                         "views can be regrouped")
+        raise ValueError(
+            f"KV layer {name}: kernel blocks ({split} per KV cache block) in a "
+            f"{t.ndim}-dimensional view {tuple(t.shape)}; only [blocks, heads, tokens, content] "
+            "views can be regrouped"
+        )
     _, heads, tokens, content = t.shape
     # [B*r, H, n, C] -> [B, r, H, n, C] -> [B, H, r, n, C]: token r_i * n + j of each head
     grouped = t.unflatten(0, (num_blocks, split)).permute(0, 2, 1, 3, 4)
@@ -85,10 +93,10 @@ class KVLayout:
     """The KV layers one copier moves (one entry kind), as the copies see them."""
 
     layer_names: tuple[str, ...]
-    dtype: torch.dtype                 # the cache's, named in entries
-    block_shape: tuple[int, ...]       # one layer's block in canonical order, in ``dtype`` values
-    word: torch.dtype = torch.uint8    # what copies move
-    split: int = 1                     # kernel blocks per KV cache (manager) block
+    dtype: torch.dtype  # the cache's, named in entries
+    block_shape: tuple[int, ...]  # one layer's block in canonical order, in ``dtype`` values
+    word: torch.dtype = torch.uint8  # what copies move
+    split: int = 1  # kernel blocks per KV cache (manager) block
     num_blocks: int = 0
 
     @classmethod
@@ -101,8 +109,10 @@ class KVLayout:
         first = kv_caches[names[0]]
         for name, t in kv_caches.items():
             if t.shape != first.shape or t.dtype != first.dtype:
-                raise ValueError(f"KV layer {name} ({tuple(t.shape)}, {t.dtype}) differs in shape or dtype from "
-                                 f"{names[0]} ({tuple(first.shape)}, {first.dtype}) in one KV cache group")
+                raise ValueError(
+                    f"KV layer {name} ({tuple(t.shape)}, {t.dtype}) differs in shape or dtype from "
+                    f"{names[0]} ({tuple(first.shape)}, {first.dtype}) in one KV cache group"
+                )
         views = {n: _canonical(n, kv_caches[n], num_blocks) for n in names}
         _, block_shape, split = views[names[0]]
         for word in WORDS:
@@ -167,6 +177,8 @@ def check_entry(layout: KVLayout, dtype: str, shape: Sequence[int], blocks: int)
     ``layout`` holding at least ``blocks``."""
     held = shape[1] if len(shape) > 1 else 0
     if dtype != layout.dtype_name or held < blocks or tuple(shape) != layout.entry_shape(held):
-        raise ValueError(f"entry {dtype} {tuple(shape)} does not fit {blocks} blocks "
-                         f"of {layout.dtype_name} {layout.entry_shape(blocks)}")
+        raise ValueError(
+            f"entry {dtype} {tuple(shape)} does not fit {blocks} blocks "
+            f"of {layout.dtype_name} {layout.entry_shape(blocks)}"
+        )
     return held

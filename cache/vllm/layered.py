@@ -66,13 +66,13 @@ class LayeredLoad:
         n = len(load.chunks)
         self._cond = threading.Condition()
         self._reads: list[Optional[EntryRead]] = [None] * n  # each chunk's read, once found
-        self._layers = [0] * n               # layers in place per chunk
-        self._remote = [False] * n           # read threads only (the shared tier)
+        self._layers = [0] * n  # layers in place per chunk
+        self._remote = [False] * n  # read threads only (the shared tier)
         self._queued: dict[int, Future[None]] = {}  # chunk -> its next layer's task, in queue order
-        self._failed_at = n                  # first chunk that failed (n: none)
-        self._cut = False                    # past the deadline
+        self._failed_at = n  # first chunk that failed (n: none)
+        self._cut = False  # past the deadline
         self._ended = False
-        self._waited = 0.0                   # the forward thread's time in ``wait``
+        self._waited = 0.0  # the forward thread's time in ``wait``
         self._done_at: Optional[float] = None  # when the last chunk was whole
         self._failed: Optional[set[int]] = None
         # The forward pass writes its new tokens' KV into a layer's blocks before it waits
@@ -148,7 +148,7 @@ class LayeredLoad:
 
     def _ready(self, layer: int) -> bool:
         """Whether ``layer`` is in place in every chunk that can still load (under the lock)."""
-        return all(n > layer for n in self._layers[:self._failed_at])
+        return all(n > layer for n in self._layers[: self._failed_at])
 
     def _steal(self) -> Optional[int]:
         """A queued layer of a local chunk no read thread has started, taken off the queue
@@ -182,7 +182,7 @@ class LayeredLoad:
 
     def _cut_here(self) -> None:
         """Past the deadline (under the lock): the chunks not whole by now are recomputed."""
-        first = next((c for c, n in enumerate(self._layers[:self._failed_at]) if n < self.n_layers), None)
+        first = next((c for c, n in enumerate(self._layers[: self._failed_at]) if n < self.n_layers), None)
         if first is None:
             return
         self.loader.passed_deadline(self.load, first)

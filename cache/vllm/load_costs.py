@@ -63,8 +63,16 @@ class LoadCosts:
             self._samples.append(("step", self._compute[0], self._compute[1], max(0.0, seconds)))
 
     # -- loads (any thread) ------------------------------------------------------
-    def loaded(self, load: LoadRequest, seconds: float, bytes_by_tier: dict[str, int], cut: bool,
-               failed: bool, forward_seconds: Optional[float] = None, layered: bool = False) -> None:
+    def loaded(
+        self,
+        load: LoadRequest,
+        seconds: float,
+        bytes_by_tier: dict[str, int],
+        cut: bool,
+        failed: bool,
+        forward_seconds: Optional[float] = None,
+        layered: bool = False,
+    ) -> None:
         """A load ended after ``seconds``: ``bytes_by_tier`` read and verified; ``cut``:
         stopped at its deadline; ``failed``: some chunk failed (missing, damaged).
         ``forward_seconds``: of those, the forward thread's (a layer-wise load overlaps
@@ -72,12 +80,12 @@ class LoadCosts:
         ``layered``: the load went layer by layer (counted as its own mode)."""
         mode = "async" if load.asynchronous else "layered" if layered else "sync"
         if self.events is not None and mode == "sync":  # forward thread, before the forward pass:
-            self.events.restart()                       # the step's GPU time starts after it
+            self.events.restart()  # the step's GPU time starts after it
         with self._lock:
             if not load.asynchronous:
                 self._loading += seconds if forward_seconds is None else forward_seconds
             if len(bytes_by_tier) == 1 and not cut and not failed:
-                (tier, nbytes), = bytes_by_tier.items()
+                ((tier, nbytes),) = bytes_by_tier.items()
                 self._samples.append(("load", tier, nbytes, seconds))
             self._add(f"load:{mode}.loads", 1)
             self._add(f"load:{mode}.seconds", seconds)

@@ -139,8 +139,9 @@ class ChunkLoader:
         tier, info = found
         return Placed(tier, HEADER_SIZE + info.payload_len)
 
-    def read_layer(self, chunk: ChunkIO, started: Optional[EntryRead], writers: BlockWriters,
-                   local_only: bool = False) -> LayerResult:
+    def read_layer(
+        self, chunk: ChunkIO, started: Optional[EntryRead], writers: BlockWriters, local_only: bool = False
+    ) -> LayerResult:
         """The next layer of a chunk (``started``: its read so far; None: find the entry
         and read its first layer): ``Partial``, ``Placed`` once whole and verified (a tier
         that does not read in place: the whole entry, copied), ``Remote`` or ``Failed``."""
@@ -212,21 +213,41 @@ class ChunkLoader:
     def passed_deadline(self, load: LoadRequest, first: int) -> None:
         """``load`` passed its deadline with chunk ``first`` not in place: it and the rest
         are recomputed (slower than recomputing by now)."""
-        log.info("kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; "
-                 "the rest is recomputed", load.req_id, load.deadline_s, first, len(load.chunks))
+        log.info(
+            "kvcache: load of request %s passed its %.3f s deadline at chunk %d of %d; the rest is recomputed",
+            load.req_id,
+            load.deadline_s,
+            first,
+            len(load.chunks),
+        )
         self.on_event(load.chunks[first].key, "recompute", "none")
 
-    def report(self, load: LoadRequest, seconds: float, read: dict[str, int], cut: bool, failed: set[int],
-               forward_seconds: Optional[float] = None) -> None:
+    def report(
+        self,
+        load: LoadRequest,
+        seconds: float,
+        read: dict[str, int],
+        cut: bool,
+        failed: set[int],
+        forward_seconds: Optional[float] = None,
+    ) -> None:
         """A load ended after ``seconds``: to the cost model (``LoadCosts.loaded``) and the
         benchmark timer. ``forward_seconds``: a layer-wise load's time on the forward thread."""
         layered = {} if forward_seconds is None else {"layered": True}
         if self.costs is not None:
             self.costs.loaded(load, seconds, read, cut, bool(failed), forward_seconds, **layered)
         if self.timer is not None:
-            self.timer("load", seconds, req=load.req_id, asynchronous=load.asynchronous,
-                       chunks=len(load.chunks), failed=len(failed), cut_short=cut,
-                       estimate=load.estimate_s, **layered)
+            self.timer(
+                "load",
+                seconds,
+                req=load.req_id,
+                asynchronous=load.asynchronous,
+                chunks=len(load.chunks),
+                failed=len(failed),
+                cut_short=cut,
+                estimate=load.estimate_s,
+                **layered,
+            )
 
     # -- failures ----------------------------------------------------------------------
     def _attempt(self, chunk: ChunkIO, read: Callable[[], T]) -> Union[T, Failed]:

@@ -33,17 +33,17 @@ class ChunkIO:
     # its KV cache groups back to back in ``block_ids`` (the same count per group).
     kind: int = 0
     tokens: Optional[int] = None  # prompt tokens this load serves (counted once per chunk)
-    shared: bool = False          # a save to publish to the shared tier at once (a pin)
-    tier: str = ""                # a load: the tier the lookup found it on (the worker says
-                                  # when another served it: cache.explain.SERVED)
+    shared: bool = False  # a save to publish to the shared tier at once (a pin)
+    tier: str = ""  # a load: the tier the lookup found it on (the worker says
+    # when another served it: cache.explain.SERVED)
 
 
 @dataclass
 class LoadRequest:
     req_id: str
     chunks: list[ChunkIO]
-    asynchronous: bool     # True: load on a worker thread, report through get_transfer_results
-    hit_end: int = 0       # tokens computed once loaded
+    asynchronous: bool  # True: load on a worker thread, report through get_transfer_results
+    hit_end: int = 0  # tokens computed once loaded
     estimate_s: Optional[float] = None  # expected load time (cache.cost)
     deadline_s: Optional[float] = None  # cut short after this long; the rest is recomputed
     compute_tokens: int = 0  # prompt tokens the request computes after it (cache.vllm.layered)
@@ -81,5 +81,6 @@ class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMetadata":
         assert isinstance(other, TieredKVWorkerMetadata)
-        return TieredKVWorkerMetadata(self.settled + other.settled, self.events + other.events,
-                                      self.samples + other.samples)
+        return TieredKVWorkerMetadata(
+            self.settled + other.settled, self.events + other.events, self.samples + other.samples
+        )

@@ -40,19 +40,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-LEVELS = ("used_bytes", "capacity_bytes", "enabled", "hit_ratio", "sample_rate", "load_latency_seconds",
-          "load_seconds_per_token", "seconds_per_token", "seconds_per_pair")
+LEVELS = (
+    "used_bytes",
+    "capacity_bytes",
+    "enabled",
+    "hit_ratio",
+    "sample_rate",
+    "load_latency_seconds",
+    "load_seconds_per_token",
+    "seconds_per_token",
+    "seconds_per_pair",
+)
 # The cost model's fitted rates (``cache.vllm.planner.LoadPlanner.rates``): field -> (metric,
 # documentation); a tier's carry the label ``tier``, the engine's prefill none.
 COST_RATES = {
-    "load_latency_seconds": ("kvcache:cost_load_latency_seconds", "The cost model's fitted latency of a load "
-                             "from the tier"),
-    "load_seconds_per_token": ("kvcache:cost_load_seconds_per_token", "The cost model's fitted seconds per "
-                               "token loaded from the tier (one rank's share of the token's KV)"),
-    "seconds_per_token": ("kvcache:cost_prefill_seconds_per_token", "The cost model's fitted prefill "
-                          "seconds per token computed"),
-    "seconds_per_pair": ("kvcache:cost_prefill_seconds_per_pair", "The cost model's fitted prefill seconds "
-                         "per attention pair (query token x earlier token)"),
+    "load_latency_seconds": (
+        "kvcache:cost_load_latency_seconds",
+        "The cost model's fitted latency of a load from the tier",
+    ),
+    "load_seconds_per_token": (
+        "kvcache:cost_load_seconds_per_token",
+        "The cost model's fitted seconds per token loaded from the tier (one rank's share of the token's KV)",
+    ),
+    "seconds_per_token": (
+        "kvcache:cost_prefill_seconds_per_token",
+        "The cost model's fitted prefill seconds per token computed",
+    ),
+    "seconds_per_pair": (
+        "kvcache:cost_prefill_seconds_per_pair",
+        "The cost model's fitted prefill seconds per attention pair (query token x earlier token)",
+    ),
 }
 
 COUNTERS = {
@@ -81,22 +98,40 @@ COUNTERS = {
 
 # ("<prefix>", "<field>") of keys "<prefix>:<label>.<field>" -> (metric name, label name, documentation)
 PLAN_COUNTERS = {
-    ("plan", "requests"): ("kvcache:requests_by_path", "path",
-                           "Requests that found a prefix in the tiers, by what the cost model chose: load "
-                           "(everything found), partial (a prefix of it, the rest recomputed), recompute"),
-    ("load", "loads"): ("kvcache:loads", "mode",
-                        "Loads by mode: sync (whole, before the forward pass), layered (layer by layer, "
-                        "during the forward pass), async (the request waits, others run)"),
+    ("plan", "requests"): (
+        "kvcache:requests_by_path",
+        "path",
+        "Requests that found a prefix in the tiers, by what the cost model chose: load "
+        "(everything found), partial (a prefix of it, the rest recomputed), recompute",
+    ),
+    ("load", "loads"): (
+        "kvcache:loads",
+        "mode",
+        "Loads by mode: sync (whole, before the forward pass), layered (layer by layer, "
+        "during the forward pass), async (the request waits, others run)",
+    ),
     ("load", "seconds"): ("kvcache:load_seconds", "mode", "Measured wall time of loads"),
-    ("load", "estimated_seconds"): ("kvcache:load_estimated_seconds", "mode",
-                                    "The cost model's estimate of the loads it estimated"),
-    ("load", "estimated_actual_seconds"): ("kvcache:load_estimated_actual_seconds", "mode",
-                                           "Measured wall time of the loads the cost model estimated"),
-    ("load", "cut_short"): ("kvcache:loads_cut_short", "mode",
-                            "Loads that ran past their deadline; the rest of the prompt was recomputed"),
-    ("pin", "requests"): ("kvcache:pin_requests", "outcome",
-                          "Requests that asked for a pin, by outcome: pinned, or why not (tenant_budget, "
-                          "tier_budget, pins_off, bad_request, no_local_tier, no_whole_chunk, write_error)"),
+    ("load", "estimated_seconds"): (
+        "kvcache:load_estimated_seconds",
+        "mode",
+        "The cost model's estimate of the loads it estimated",
+    ),
+    ("load", "estimated_actual_seconds"): (
+        "kvcache:load_estimated_actual_seconds",
+        "mode",
+        "Measured wall time of the loads the cost model estimated",
+    ),
+    ("load", "cut_short"): (
+        "kvcache:loads_cut_short",
+        "mode",
+        "Loads that ran past their deadline; the rest of the prompt was recomputed",
+    ),
+    ("pin", "requests"): (
+        "kvcache:pin_requests",
+        "outcome",
+        "Requests that asked for a pin, by outcome: pinned, or why not (tenant_budget, "
+        "tier_budget, pins_off, bad_request, no_local_tier, no_whole_chunk, write_error)",
+    ),
 }
 
 
@@ -119,7 +154,8 @@ class TieredKVStats(KVConnectorStats):
         # levels alone ride along with counters, except the cache-off report and the cost
         # model's rates (sent when first fitted, then now and then)
         return "all.enabled" not in self.data and not any(
-            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS or k.startswith("cost:"))
+            v for k, v in self.data.items() if k.rsplit(".", 1)[-1] not in LEVELS or k.startswith("cost:")
+        )
 
 
 def counts_requests(key: str) -> bool:
@@ -162,38 +198,57 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
             for field, doc in COUNTERS.items()
         }
         self._misses = self._counter_cls(
-            name="kvcache:misses", labelnames=labelnames + ["tier", "cause"],
+            name="kvcache:misses",
+            labelnames=labelnames + ["tier", "cause"],
             documentation="Prompt tokens whose KV was computed, by why it was not loaded "
-                          "(cause) and the tier concerned (none: no one tier)")
+            "(cause) and the tier concerned (none: no one tier)",
+        )
         self._write_failures = self._counter_cls(
-            name="kvcache:tier_write_failures", labelnames=names + ["cause"],
+            name="kvcache:tier_write_failures",
+            labelnames=names + ["cause"],
             documentation="Failed writes to the tier, by cause (no_space, read_only, io_error, missing, "
-                          "unavailable, timeout ...); the entry is not stored there")
+            "unavailable, timeout ...); the entry is not stored there",
+        )
         self._gauges = {
-            "used_bytes": self._gauge_cls(name="kvcache:tier_used_bytes", documentation="Bytes held by the tier",
-                                          labelnames=names),
-            "capacity_bytes": self._gauge_cls(name="kvcache:tier_capacity_bytes",
-                                              documentation="Byte bound of the tier", labelnames=names),
+            "used_bytes": self._gauge_cls(
+                name="kvcache:tier_used_bytes", documentation="Bytes held by the tier", labelnames=names
+            ),
+            "capacity_bytes": self._gauge_cls(
+                name="kvcache:tier_capacity_bytes", documentation="Byte bound of the tier", labelnames=names
+            ),
         }
-        self._plan = {key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames + [label])
-                      for key, (name, label, doc) in PLAN_COUNTERS.items()}
+        self._plan = {
+            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames + [label])
+            for key, (name, label, doc) in PLAN_COUNTERS.items()
+        }
         self._curve = {
             "hit_ratio": self._gauge_cls(
-                name="kvcache:curve_hit_ratio", labelnames=names + ["size"],
+                name="kvcache:curve_hit_ratio",
+                labelnames=names + ["size"],
                 documentation="Token hit ratio the traffic seen so far would get from the tier at this "
-                              "multiple of its configured size (sampled simulation: cache/curves.py)"),
-            "sample_rate": self._gauge_cls(name="kvcache:curve_sample_rate", labelnames=names,
-                                           documentation="Share of chunks the tier's curve simulates"),
-            "tokens": self._counter_cls(name="kvcache:curve_tokens", labelnames=names,
-                                        documentation="Prompt tokens the tier's curve has seen"),
+                "multiple of its configured size (sampled simulation: cache/curves.py)",
+            ),
+            "sample_rate": self._gauge_cls(
+                name="kvcache:curve_sample_rate",
+                labelnames=names,
+                documentation="Share of chunks the tier's curve simulates",
+            ),
+            "tokens": self._counter_cls(
+                name="kvcache:curve_tokens", labelnames=names, documentation="Prompt tokens the tier's curve has seen"
+            ),
         }
-        self._rates = {field: self._gauge_cls(name=name, documentation=doc,
-                                              labelnames=labelnames + (["tier"] if field.startswith("load") else []))
-                       for field, (name, doc) in COST_RATES.items()}
+        self._rates = {
+            field: self._gauge_cls(
+                name=name, documentation=doc, labelnames=labelnames + (["tier"] if field.startswith("load") else [])
+            )
+            for field, (name, doc) in COST_RATES.items()
+        }
         self._enabled = self._gauge_cls(
-            name="kvcache:enabled", labelnames=labelnames,
+            name="kvcache:enabled",
+            labelnames=labelnames,
             documentation="1 while the tiered KV cache serves the model; 0 when vLLM serves it "
-                          "without the cache (the connector's start-up log line says why)")
+            "without the cache (the connector's start-up log line says why)",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]

@@ -73,9 +73,13 @@ def weights_id(vllm_config, config: CacheConfig) -> str:
 def _weights_of(model: str, revision: Optional[str], download_dir: Optional[str], mode: str) -> str:
     folder = local_copy(model, revision, download_dir, "config.json")
     if folder is None:
-        log.warning("kvcache: the weights of %s are not in a local folder: the namespace knows them "
-                    "only by name and revision (%s); two different models of that name would share "
-                    "entries", model, revision or "default")
+        log.warning(
+            "kvcache: the weights of %s are not in a local folder: the namespace knows them "
+            "only by name and revision (%s); two different models of that name would share "
+            "entries",
+            model,
+            revision or "default",
+        )
         return f"unread:{model}@{revision}"
     fp = fingerprint(folder, mode)
     log.info("kvcache: weights of %s: %s", model, fp.describe())

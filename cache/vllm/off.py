@@ -27,15 +27,16 @@ def context_parallel_reason(parallel_config, block_size: int) -> Optional[str]:
     pcp = getattr(parallel_config, "prefill_context_parallel_size", 1) or 1
     if dcp == 1 and pcp == 1:
         return None
-    return (f"context parallelism (decode {dcp}, prefill {pcp}) spreads each block's tokens over "
-            f"ranks ({block_size * dcp}-token blocks in vLLM's KV cache manager), which the "
-            f"cache's chunks do not follow")
+    return (
+        f"context parallelism (decode {dcp}, prefill {pcp}) spreads each block's tokens over "
+        f"ranks ({block_size * dcp}-token blocks in vLLM's KV cache manager), which the "
+        f"cache's chunks do not follow"
+    )
 
 
 class CacheOff:
     def __init__(self, config: CacheConfig) -> None:
-        self._report: Optional[dict] = {"all.enabled": 0,
-                                        **{f"{t.name}.capacity_bytes": 0 for t in config.tiers()}}
+        self._report: Optional[dict] = {"all.enabled": 0, **{f"{t.name}.capacity_bytes": 0 for t in config.tiers()}}
 
     # -- scheduler role ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

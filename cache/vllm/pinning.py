@@ -57,8 +57,8 @@ class Pinner:
         self.namespace_ids = tuple(namespace_ids)
         self.entry_bytes = entry_bytes
         self.has_shared = config.has_shared
-        self.tenant_key = config.signing_key     # keys the tenant digests in the pin file
-        self._counts: dict[str, int] = {}        # outcome -> requests, since the last stats()
+        self.tenant_key = config.signing_key  # keys the tenant digests in the pin file
+        self._counts: dict[str, int] = {}  # outcome -> requests, since the last stats()
         self._results: dict[str, dict[str, Any]] = {}
         self._shared: dict[str, set[str]] = {}  # per request: pinned keys published when saved
         self._publish: list[str] = []
@@ -79,12 +79,17 @@ class Pinner:
         end = n_tokens if ask.tokens is None else min(ask.tokens, n_tokens)
         inside = [c for c in chunks if c.end <= end]
         if self.book is None:
-            self._refuse(req_id, "no local tier to pin in (KVCACHE_DRAM_SIZE and KVCACHE_DISK_SIZE are 0)",
-                         "no_local_tier")
+            self._refuse(
+                req_id, "no local tier to pin in (KVCACHE_DRAM_SIZE and KVCACHE_DISK_SIZE are 0)", "no_local_tier"
+            )
             return
         if not inside:
-            self._refuse(req_id, f"the prefix to pin ({end} tokens) holds no whole chunk "
-                         f"(chunks of {chunks[0].end - chunks[0].start if chunks else 0} tokens)", "no_whole_chunk")
+            self._refuse(
+                req_id,
+                f"the prefix to pin ({end} tokens) holds no whole chunk "
+                f"(chunks of {chunks[0].end - chunks[0].start if chunks else 0} tokens)",
+                "no_whole_chunk",
+            )
             return
         keys = [k for c in inside for k in c.keys]
         tokens = inside[-1].end
@@ -98,10 +103,22 @@ class Pinner:
             self._refuse(req_id, result.reason, result.refusal)
             return
         self._count("pinned")
-        self._results[req_id] = {"pinned": True, "tokens": tokens, "chunks": len(inside), "ttl_s": ask.ttl_s,
-                                 "expires_at": int(result.expires), "tier": self.tier}
-        log.info("kvcache: pinned %d tokens (%d chunks) of request %s for %g s in the %s tier",
-                 tokens, len(inside), req_id, ask.ttl_s, self.tier)
+        self._results[req_id] = {
+            "pinned": True,
+            "tokens": tokens,
+            "chunks": len(inside),
+            "ttl_s": ask.ttl_s,
+            "expires_at": int(result.expires),
+            "tier": self.tier,
+        }
+        log.info(
+            "kvcache: pinned %d tokens (%d chunks) of request %s for %g s in the %s tier",
+            tokens,
+            len(inside),
+            req_id,
+            ask.ttl_s,
+            self.tier,
+        )
         if self.has_shared:
             self._shared[req_id] = set(keys)
             self._publish.extend(keys)

@@ -23,13 +23,20 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from cache.cost import ASYNC_ROUND_TRIP_S, ChunkCost, Fit, Plan, PrefillRate, TierRate, attention_pairs, choose
 
-RATES_EVERY_S = 10.0   # how often the fitted rates ride along with the counts
+RATES_EVERY_S = 10.0  # how often the fitted rates ride along with the counts
 
 
 class LoadPlanner:
-    def __init__(self, tier_names: Sequence[str], synchronous: set[str], block_size: int,
-                 bytes_per_block: int = 0, decide: bool = True,
-                 clock: Callable[[], float] = time.monotonic, kind_bytes: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tier_names: Sequence[str],
+        synchronous: set[str],
+        block_size: int,
+        bytes_per_block: int = 0,
+        decide: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        kind_bytes: Sequence[int] = (),
+    ) -> None:
         """``bytes_per_block``: KV bytes of one block, every layer, on one rank (0:
         unknown, then every hit loads everything: no cost can be estimated); ``decide``
         False: every hit loads everything (``KVCACHE_LOAD_DECISION=always``). ``kind_bytes``:
@@ -54,11 +61,18 @@ class LoadPlanner:
         self._lock = threading.Lock()
         self._clock = clock
         self._rates_at = 0.0
-        self._fitted: set[str] = set()      # what the last rates reported had fitted
+        self._fitted: set[str] = set()  # what the last rates reported had fitted
 
     # -- deciding ------------------------------------------------------------------
-    def plan(self, req_id: str, spans: Sequence[tuple[int, int, str]], n_tokens: int, computed: int,
-             inline: bool = False, entry_bytes: Optional[Sequence[int]] = None) -> Plan:
+    def plan(
+        self,
+        req_id: str,
+        spans: Sequence[tuple[int, int, str]],
+        n_tokens: int,
+        computed: int,
+        inline: bool = False,
+        entry_bytes: Optional[Sequence[int]] = None,
+    ) -> Plan:
         """The plan for request ``req_id``: ``spans`` are the chunks found, in order,
         as (first token, end token, tier name), ``end`` at most ``n_tokens - 1``.
         ``inline``: no other request is running: every load runs before the forward
@@ -80,8 +94,9 @@ class LoadPlanner:
             sizes = entry_bytes or [(-(-e // b) - s // b) * self.bytes_per_block for s, e, _ in spans]
             chunks = [ChunkCost(s, e, tier, n) for (s, e, tier), n in zip(spans, sizes)]
             trip = (self.round_trip.predict((1.0,)) if whole else None) or ASYNC_ROUND_TRIP_S
-            plan = choose(chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole,
-                          round_trip=trip)
+            plan = choose(
+                chunks, n_tokens, computed, self.tiers, self.prefill, synchronous, inline, whole, round_trip=trip
+            )
         with self._lock:
             self._decided[req_id] = plan  # vLLM may ask again; counted once, when it runs
         return plan
@@ -129,8 +144,7 @@ class LoadPlanner:
         say little about a prefill's per-token cost)."""
         if not any(n > 1 for _, n in scheduled):
             return None
-        return (sum(n for _, n in scheduled),
-                sum(attention_pairs(n, done) for done, n in scheduled))
+        return (sum(n for _, n in scheduled), sum(attention_pairs(n, done) for done, n in scheduled))
 
     def observe(self, samples: Sequence[tuple]) -> None:
         """Measurements from the workers (``TieredKVWorkerMetadata.samples``)."""

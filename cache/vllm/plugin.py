@@ -55,12 +55,14 @@ def enable_cpu_amx() -> bool:
         log.debug("kvcache: AMX permission not requested: %s", e)
         return False
     if not granted:
-        log.warning("kvcache: this CPU reports AMX but the kernel refused AMX tile state; "
-                    "vLLM's AMX attention kernel may fail with SIGILL")
+        log.warning(
+            "kvcache: this CPU reports AMX but the kernel refused AMX tile state; "
+            "vLLM's AMX attention kernel may fail with SIGILL"
+        )
     return granted
 
 
-PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(parent_pid: Optional[int] = None) -> bool:
@@ -77,8 +79,11 @@ def die_with_parent(parent_pid: Optional[int] = None) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("kvcache: prctl(PR_SET_PDEATHSIG) failed (%s): this process will outlive its "
-                    "parent if the parent is killed", os.strerror(ctypes.get_errno()))
+        log.warning(
+            "kvcache: prctl(PR_SET_PDEATHSIG) failed (%s): this process will outlive its "
+            "parent if the parent is killed",
+            os.strerror(ctypes.get_errno()),
+        )
         return False
     if os.getppid() != parent_pid:
         try:
@@ -88,6 +93,6 @@ def die_with_parent(parent_pid: Optional[int] = None) -> bool:
             os._exit(1)
         except PermissionError:
             pass
-        libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)   # started through another process (forkserver):
-        return False                               # its death says nothing about the parent's
+        libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # started through another process (forkserver):
+        return False  # its death says nothing about the parent's
     return True

@@ -54,21 +54,22 @@ class Slot:
 class StagingPool:
     """``slots`` buffers of ``slot_bytes`` each, in one allocation made here."""
 
-    def __init__(self, slot_bytes: int, slots: int, pin: bool = False,
-                 happened: Optional[Callable[[Any], bool]] = None) -> None:
+    def __init__(
+        self, slot_bytes: int, slots: int, pin: bool = False, happened: Optional[Callable[[Any], bool]] = None
+    ) -> None:
         if slot_bytes <= 0 or slots <= 0:
             raise ValueError(f"a staging pool needs slots ({slots}) of some bytes ({slot_bytes})")
         self.slot_bytes, self.slots, self.pinned = slot_bytes, slots, pin
         self._happened = happened or (lambda event: True)
         self._buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=pin)
-        self._slots = [Slot(i, self._buffer[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(slots)]
+        self._slots = [Slot(i, self._buffer[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(slots)]
         self._free = deque(range(slots))
         self._pending: list[tuple[int, object]] = []  # (slot, event of a copy still using it)
         self._lock = threading.Lock()
-        self.taken = 0            # slots handed out, all time
-        self.dropped_saves = 0    # saves skipped: no slot free
-        self.unstaged_loads = 0   # loads copied from pageable memory: no slot free
-        self.high_water = 0       # most slots in use at once
+        self.taken = 0  # slots handed out, all time
+        self.dropped_saves = 0  # saves skipped: no slot free
+        self.unstaged_loads = 0  # loads copied from pageable memory: no slot free
+        self.high_water = 0  # most slots in use at once
 
     @property
     def nbytes(self) -> int:
@@ -124,9 +125,13 @@ def staging_pool(staging_bytes: int, entry_bytes: int, device: torch.device) -> 
     one ``entry_bytes`` entry (the largest a copy makes), at least one; pinned on CUDA."""
     slot = -(-entry_bytes // 64) * 64  # slots start 64-byte aligned: copies view them as words
     if staging_bytes < slot:
-        log.warning("kvcache: KVCACHE_STAGING_SIZE (%s bytes) holds less than one chunk of this model "
-                    "(%s bytes): one chunk is staged at a time; saves meanwhile are skipped",
-                    f"{staging_bytes:,}", f"{slot:,}")
+        log.warning(
+            "kvcache: KVCACHE_STAGING_SIZE (%s bytes) holds less than one chunk of this model "
+            "(%s bytes): one chunk is staged at a time; saves meanwhile are skipped",
+            f"{staging_bytes:,}",
+            f"{slot:,}",
+        )
     cuda = device.type == "cuda"
-    return StagingPool(slot, max(1, staging_bytes // slot), pin=cuda,
-                       happened=(lambda event: event.query()) if cuda else None)
+    return StagingPool(
+        slot, max(1, staging_bytes // slot), pin=cuda, happened=(lambda event: event.query()) if cuda else None
+    )

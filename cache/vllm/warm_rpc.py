@@ -21,7 +21,7 @@ from cache.threads import spare_cpus, thread_setup
 
 log = logging.getLogger(__name__)
 
-_warm: Optional[DramWarm] = None   # this worker's one warm-up
+_warm: Optional[DramWarm] = None  # this worker's one warm-up
 
 
 def _worker_side() -> Any:
@@ -51,9 +51,10 @@ class KVCacheWorkerExtension:
                 return _off("the tiered KV cache does not run in this worker")
             if not side.config.dram_bytes:
                 return _off("there is no DRAM tier")
-            setup = thread_setup(spare_cpus())   # off this worker's compute cores, niced
-            _warm = DramWarm(side.store, side.namespace.chain_digest, side.config.chunk_tokens,
-                             setup=lambda: setup("write"))
+            setup = thread_setup(spare_cpus())  # off this worker's compute cores, niced
+            _warm = DramWarm(
+                side.store, side.namespace.chain_digest, side.config.chunk_tokens, setup=lambda: setup("write")
+            )
             _warm.start(job.get("prompts") or [], int(job.get("budget") or 0))
         return _warm.status()
 

@@ -41,9 +41,11 @@ async def invocations(raw_request: Request) -> Response:
 
 
 def router(standards) -> APIRouter:
-    handler = standards.register_invocation_handler(limit_sessions(
-        standards.stateful_session_manager()(
-            standards.inject_adapter_id(adapter_path="model")(invocations))))
+    handler = standards.register_invocation_handler(
+        limit_sessions(
+            standards.stateful_session_manager()(standards.inject_adapter_id(adapter_path="model")(invocations))
+        )
+    )
     r = APIRouter()
     r.add_api_route("/invocations", handler, methods=["POST"])
     return r

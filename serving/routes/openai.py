@@ -20,16 +20,23 @@ from serving.errors import error_response, response_for
 from serving.pipeline import serve
 from serving.sessions import check_session_header
 
-SHAPES = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
-          "/v1/embeddings": "embeddings", "/classify": "classify", "/score": "score",
-          "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank",
-          "/pooling": "pooling"}
+SHAPES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embeddings",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/pooling": "pooling",
+}
 
 
 def _route(shape: str):
     async def endpoint(raw_request: Request) -> Response:
         raw_request.state.shape = shape
-        refused = check_session_header(raw_request)   # as /invocations checks it
+        refused = check_session_header(raw_request)  # as /invocations checks it
         if refused is not None:
             return refused
         try:

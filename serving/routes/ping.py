@@ -27,8 +27,14 @@ async def ping(raw_request: Request) -> Response:
         return JSONResponse({"status": "draining"}, status_code=503)
     if engine.healthy and engine.warming:
         p = engine.dram_warm.progress()
-        return JSONResponse({"status": "warming dram", "entries": p["prompts"]["warm"] + p["hot"]["warm"],
-                             "bytes": p["prompts"]["bytes"] + p["hot"]["bytes"]}, status_code=503)
+        return JSONResponse(
+            {
+                "status": "warming dram",
+                "entries": p["prompts"]["warm"] + p["hot"]["warm"],
+                "bytes": p["prompts"]["bytes"] + p["hot"]["bytes"],
+            },
+            status_code=503,
+        )
     if engine.healthy:
         return JSONResponse({"status": "healthy"})
     body: dict[str, Any] = {"status": "warming" if engine.warmup is not None else engine.state.value}
