@@ -25,7 +25,6 @@ class TierSpec:
 
     id: TierId  # name ("dram", "disk", "shared": its label in logs and metrics),
     # medium, locality (cache.tiers.identity)
-    level: str  # "L1", "L2", "L3"
     location: str  # folder, or the shared tier's URL
     capacity: Optional[int]  # bytes; None: the backend manages its space (shared)
     synchronous: bool  # loaded into vLLM's blocks before the forward pass (a memory
@@ -43,6 +42,11 @@ class TierSpec:
     def shared(self) -> bool:
         """Published to by rule, never evicted from by us (``TierId.shared``)."""
         return self.id.shared
+
+    @property
+    def level(self) -> str:
+        """``"L1"``, ``"L2"``, ``"L3"``: its place in the speed order (``TierId.level``)."""
+        return f"L{self.id.level}"
 
 
 @dataclass(frozen=True)
@@ -115,14 +119,13 @@ class CacheConfig:
     def tiers(self) -> tuple[TierSpec, ...]:
         """The enabled tiers, fastest first; the shared tier, if any, last."""
         local = [
-            (DRAM, "L1", self.dram_path, self.dram_bytes, True),
-            (DISK, "L2", self.disk_path, self.disk_bytes, False),
+            (DRAM, self.dram_path, self.dram_bytes, True),
+            (DISK, self.disk_path, self.disk_bytes, False),
         ]
-        local = [t for t in local if t[3]]
+        local = [t for t in local if t[2]]
         specs = [
             TierSpec(
                 tier,
-                level,
                 path,
                 size,
                 synchronous=memory,
@@ -130,13 +133,12 @@ class CacheConfig:
                 direct_reads=not memory and self.disk_direct_reads,
                 last_local=i == len(local) - 1,
             )
-            for i, (tier, level, path, size, memory) in enumerate(local)
+            for i, (tier, path, size, memory) in enumerate(local)
         ]
         if self.shared_url:
             specs.append(
                 TierSpec(
                     SHARED,
-                    "L3",
                     self.shared_url,
                     None,
                     synchronous=False,

@@ -51,3 +51,15 @@ def test_each_tier_carries_the_identity_the_configuration_names(tmp_path):
     finally:
         for t in tiers:
             t.close()
+
+
+def test_tier_identities_order_by_speed_not_by_position():
+    """``max`` of the tiers a chunk is found in is the slowest (``cache.vllm.hits``): local
+    memory, then local storage, then remote (the settings' L1..L3), whatever order a store
+    lists its tiers in; a test's tier named by ``tier_id`` takes its medium's place."""
+    from cache.tiers.identity import DISK, DRAM, SHARED, tier_id
+
+    assert sorted([SHARED, DISK, DRAM]) == [DRAM, DISK, SHARED] and max(DISK, DRAM) is DISK
+    assert max(SHARED, DRAM, DISK) is SHARED and min(SHARED, DISK) is DISK
+    assert DRAM < tier_id("t0") < tier_id("t1", shared=True) and tier_id("t0").level == DISK.level
+    assert [t.level for t in (DRAM, DISK, SHARED)] == [1, 2, 3]  # TierSpec.level: "L1".."L3"

@@ -24,7 +24,7 @@ def test_reused_chunks_land_on_disk_and_survive_an_empty_dram_folder(tmp_path):
     reused, once = chunk_keys(NS, list(range(3 * 16)), 16), chunk_keys(NS, list(range(100, 148)), 16)
     put_chain(s, reused)
     put_chain(s, once)
-    assert s.lookup(reused + once, local_only=True) == [0] * 6
+    assert s.lookup(reused + once, local_only=True) == [s.tiers[0].id] * 6
     s.persist(reused)  # a later request found them
     assert s.flush(10)
     assert [s.tiers[1].contains(k) for k in reused + once] == [True] * 3 + [False] * 3
@@ -35,7 +35,7 @@ def test_reused_chunks_land_on_disk_and_survive_an_empty_dram_folder(tmp_path):
     s.close()
     shutil.rmtree(tmp_path / "shm")  # a new container: an empty DRAM folder, the same disk
     fresh = store(tmp_path, dram=20 * 1300)
-    assert fresh.lookup(reused) == [1, 1, 1] and fresh.lookup(once) == []
+    assert fresh.lookup(reused) == [fresh.tiers[1].id] * 3 and fresh.lookup(once) == []
     e = fresh.get(reused[0])
     assert e.tier.name == "disk" and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
     fresh.close()

@@ -13,6 +13,8 @@ from cache.config import build_cache_config
 from cache.keys import Namespace
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
+from cache.tiers.identity import DISK, DRAM, Medium
+from cache.tiers.memory import MemoryTier
 from cache.vllm.groups import (
     EntryKind,
     GroupLayout,
@@ -21,6 +23,7 @@ from cache.vllm.groups import (
     plan_hit,
     window_chunks,
 )
+from cache.vllm.hits import find_hit, plan_loads
 from cache.vllm.kv_copy import BlockCopier, KVLayout
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.off import CacheOff
@@ -72,7 +75,13 @@ def test_checkpoints_are_the_prompt_end_its_last_whole_chunk_and_the_interval():
 def plan(present_full, present_swa, n=1500, computed=0):
     bounds = cut(n)
     return plan_hit(
-        LAYOUT, bounds, n, computed, present_full, lambda kind, i: 0 if i in present_swa else None, [0] * present_full
+        LAYOUT,
+        bounds,
+        n,
+        computed,
+        present_full,
+        lambda kind, i: DRAM if i in present_swa else None,
+        [DRAM] * present_full,
     )
 
 
@@ -91,6 +100,41 @@ def test_a_hit_needs_every_full_entry_and_the_window_before_its_end():
     # vLLM's own prefix cache holds the first 1408 tokens: only what is past them loads
     topped = plan(6, {4, 5}, computed=1408)
     assert sorted((x.kind, x.chunk, x.first_block) for x in topped.loads) == [(0, 5, 11), (1, 5, 11)]
+
+
+def rank(held):
+    """One rank's lookup view (a lookup-only store: DRAM over disk) holding ``held``:
+    ``{key: "dram" or "disk"}``."""
+    dram, disk = MemoryTier(1 << 20, "dram"), MemoryTier(1 << 20, "disk")
+    dram.medium = Medium.CPU  # as the configured DRAM tier (cache.assembly.build_tiers)
+    for key, name in held.items():
+        tier = dram if name == "dram" else disk
+        assert tier.reserve(1) and tier.write(key, [b"x"], 1)
+    return TieredStore([dram, disk], b"ns")
+
+
+def test_an_entry_loads_from_the_slowest_tier_any_rank_holds_it_in():
+    """Ranks hold one entry in different tiers: it counts under the slower (``TierId``
+    orders by speed), and so does its chunk's tokens when any of its entries is slower."""
+    chunks = [
+        SimpleNamespace(key=f"c{i}", start=s, end=e, keys=(f"c{i}", f"w{i}")) for i, (s, e) in enumerate(cut(1500))
+    ]
+    full = {c.key: "dram" for c in chunks}
+    ranks = [
+        rank({**full, "w4": "disk", "w5": "disk"}),  # the windows on disk here...
+        rank({**full, "c0": "disk", "w4": "dram", "w5": "dram"}),  # ...the first chunk there
+    ]
+    hit, missing, found = find_hit(LAYOUT, ranks, chunks, 1500, 0)
+    assert (hit.chunks, hit.hit_end, missing) == (6, 1499, [])
+    assert found == [DISK] + [DRAM] * 5
+    assert sorted((x.kind, x.chunk, x.tier.name) for x in hit.loads if x.chunk in (0, 4)) == [
+        (0, 0, "disk"),
+        (0, 4, "dram"),
+        (1, 4, "disk"),
+    ]
+    planned, ios = plan_loads(LAYOUT, hit, chunks, 0)
+    assert planned == {"disk": 256 + 256 + 219, "dram": 3 * 256}  # chunks 0, 4, 5 wait for disk
+    assert [io.tier for io in ios if io.kind == 1] == ["disk", "disk"]
 
 
 class Blocks:

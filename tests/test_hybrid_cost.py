@@ -47,12 +47,12 @@ def test_a_whole_hit_loads_every_entry_or_none():
 def test_a_hybrid_hit_is_priced_by_the_entries_it_reads():
     hit = plan(6, {4, 5})
     chunks = [SimpleNamespace(start=s, end=e) for s, e in ((i * C, min((i + 1) * C, 1500)) for i in range(6))]
-    spans, sizes = load_spans(LAYOUT, hit, chunks, KIND_BYTES, ["dram"])
+    spans, sizes = load_spans(LAYOUT, hit, chunks, KIND_BYTES)
     assert len(spans) == 8 and spans[-1][1] == hit.hit_end == 1499  # 6 full entries, 2 windows
     assert [e for _, e, _ in spans] == sorted(e for _, e, _ in spans)
     # full entries: two blocks of the full layer; windows: the blocks under the window
     assert sorted(sizes) == [2 << 20] * 6 + [6 << 20] * 2
-    assert load_spans(LAYOUT, hit, chunks, (), ["dram"])[1] == [0] * 8  # sizes unknown
+    assert load_spans(LAYOUT, hit, chunks, ())[1] == [0] * 8  # sizes unknown
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from cache.errors import ConfigError
 from cache.keys import Namespace, chunk_keys
 from cache.policy import LRUPolicy
 from cache.store import TieredStore
+from cache.tiers.identity import SHARED, TierId
 from cache.tiers.memory import MemoryTier
 from cache.tiers.resilience import Pacer
 from cache.tiers.shared import SharedTier
@@ -144,7 +145,7 @@ def shared_keys(root) -> set[str]:
     return {k for k, _ in remote(root).scan()}
 
 
-def wait_known(s: TieredStore, keys, timeout=5.0) -> list[int]:
+def wait_known(s: TieredStore, keys, timeout=5.0) -> list[TierId]:
     """What a scheduler does: probe, and look again until the answers are in."""
     deadline = time.monotonic() + timeout
     while s.probe(keys) and time.monotonic() < deadline:
@@ -344,10 +345,10 @@ def test_second_node_finds_loads_and_promotes_shared_chunks(tmp_path):
     b = node(remote(tmp_path / "l3"))  # another machine: empty DRAM, same shared folder
     assert b.lookup(keys) == []  # nothing known yet, and no I/O to find out
     assert b.probe(keys)  # checks start in the background
-    assert wait_known(b, keys) == [1, 1, 1, 1]
+    assert wait_known(b, keys) == [SHARED] * 4
     e = b.get(keys[2])
     assert e.tier == b.tiers[1].id and e.tier.shared and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(2))
-    assert b.flush(10) and b.lookup(keys[2:3]) == [0]  # promoted into DRAM
+    assert b.flush(10) and b.lookup(keys[2:3]) == [b.tiers[0].id]  # promoted into DRAM
     assert b.stats.tiers["shared"].hits == 1
 
 
@@ -357,14 +358,14 @@ def test_probe_stops_at_the_first_missing_chunk(tmp_path):
     put_chain(a, keys[:20])
     fs = faulty_fs()
     b = node(remote(tmp_path / "l3", fs))
-    assert wait_known(b, keys) == [1] * 20
+    assert wait_known(b, keys) == [SHARED] * 20
     asked = fs.calls
     assert asked <= 20 + 16  # whole waves of checks, none past the first wave with a miss
     assert not b.probe(keys) and fs.calls == asked  # the miss is remembered for a while
     # ... unless this engine just stored the missing chunks (they may be published now)
     put_chain(a, keys[20:])
     b.tiers[1].recheck(keys[20:])
-    assert wait_known(b, keys) == [1] * 40
+    assert wait_known(b, keys) == [SHARED] * 40
 
 
 def test_background_listing_learns_entries_and_clears_debris(tmp_path):
@@ -415,7 +416,7 @@ def test_signed_entries_foreign_and_unsigned_ones_are_ignored_not_deleted(tmp_pa
         decode(raw, NS, keys[0], b"k2")
 
     b = node(remote(l3), key=b"k2")  # a node with another key
-    assert wait_known(b, keys) == [1, 1]
+    assert wait_known(b, keys) == [SHARED] * 2
     assert b.get(keys[0]) is None and b.stats.tiers["shared"].corrupt == 1
     assert b.lookup(keys) == []  # ignored from now on...
     assert (l3 / "ns" / keys[0][:2] / keys[0]).exists()  # ...but not deleted
@@ -441,7 +442,7 @@ def test_truncated_writes_are_never_served(tmp_path):
     keys = keys_of(3)
     put_chain(a, keys)
     b = node(remote(tmp_path / "l3"))
-    assert wait_known(b, keys) == [1, 1, 1]
+    assert wait_known(b, keys) == [SHARED] * 3
     assert all(b.get(k) is None for k in keys)
     assert b.stats.tiers["shared"].corrupt == 3 and b.lookup(keys) == []
 
@@ -517,7 +518,7 @@ def test_unreachable_tier_is_logged_once_skipped_and_retried_with_backoff(tmp_pa
     assert not l3.up and l3.health.outages == 1
     calls = fs.calls
     assert calls <= 8  # three failures opened the breaker; then nothing
-    assert s.lookup(keys[-1:]) == [0]  # served from DRAM meanwhile
+    assert s.lookup(keys[-1:]) == [s.tiers[0].id]  # served from DRAM meanwhile
     assert s.stats.tiers["shared"].unavailable > 0
 
     clock.t += 1.5  # first retry: still down, backoff doubles

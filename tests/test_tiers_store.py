@@ -123,12 +123,13 @@ def test_longest_prefix_promotion_demotion_and_bounds(tmp_path):
     keys = chunk_keys(NS, list(range(12 * 16)), 16)
     put_chain(s, keys[:8])
     # DRAM holds 4 entries; the 4 oldest went down to disk, nothing was lost
-    assert s.lookup(keys) == [1, 1, 1, 1, 0, 0, 0, 0]
+    dram, disk = (t.id for t in s.tiers)
+    assert s.lookup(keys) == [disk] * 4 + [dram] * 4
     s.check()
     e = s.get(keys[0])
     assert e.tier == s.tiers[1].id and np.array_equal(np.frombuffer(e.payload, np.uint8), payload(0))
     s.flush(10)
-    assert s.lookup(keys[:1]) == [0]  # promoted
+    assert s.lookup(keys[:1]) == [dram]  # promoted
     s.check()
     assert s.tiers[0].used_bytes() <= 4 * 1300
     s.close()
@@ -141,10 +142,10 @@ def test_a_dram_tier_smaller_than_one_entry_is_passed_over(tmp_path):
     s = store(tmp_path, dram=1000)  # an entry is 1,256 bytes
     keys = chunk_keys(NS, list(range(3 * 16)), 16)
     put_chain(s, keys)
-    assert s.lookup(keys) == [1, 1, 1]
+    assert s.lookup(keys) == [s.tiers[1].id] * 3
     assert s.stats.tiers["dram"].rejected == 0 and s.stats.tiers["disk"].writes == 3
     assert s.get(keys[0]).tier == s.tiers[1].id and s.flush(10)
-    assert s.lookup(keys[:1]) == [1] and s.stats.tiers["dram"].promotions == 0
+    assert s.lookup(keys[:1]) == [s.tiers[1].id] and s.stats.tiers["dram"].promotions == 0
     s.check()
     s.close()
 
@@ -159,7 +160,7 @@ def test_every_put_reports_when_it_settles(tmp_path):
     huge = np.zeros(6000, np.uint8)  # larger than either tier: refused
     assert s.put(keys[1], keys[0], "uint8", huge.shape, huge, on_done=settled.append)
     assert s.flush(10)
-    assert settled == keys[:2] and s.lookup(keys) == [0]
+    assert settled == keys[:2] and s.lookup(keys) == [s.tiers[0].id]
     s.close()
     tight = store(tmp_path / "b", max_pending_bytes=500)  # no room in the write queue
     assert not tight.put(keys[2], None, "uint8", (1000,), payload(2), on_done=settled.append)
@@ -192,7 +193,7 @@ def test_restart_rebuilds_from_disk(tmp_path):
     put_chain(s, keys)
     s.close()
     s2 = store(tmp_path, dram=0)
-    assert s2.lookup(keys) == [0, 0, 0]
+    assert s2.lookup(keys) == [s2.tiers[0].id] * 3
     assert all(k in s2.policies[0] for k in keys)
     s2.check()
 
@@ -228,7 +229,7 @@ def test_foreign_entry_is_not_served(tmp_path):
     raw = encode_header(other, KEY, "uint8", (1000,), data) + data.tobytes()
     s.tiers[1].reserve(len(raw))
     s.tiers[1].write(KEY, [raw], len(raw))
-    assert s.lookup([KEY]) == [1] and s.get(KEY) is None
+    assert s.lookup([KEY]) == [s.tiers[1].id] and s.get(KEY) is None
 
 
 def _writer(root, start, n):

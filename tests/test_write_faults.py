@@ -77,7 +77,7 @@ def test_a_full_disk_is_counted_by_cause_and_logged_once_per_episode(tmp_path, m
     logged = messages(caplog)
     assert len(logged) == 3 and "succeed again, after 7 failed" in logged[2], logged
     assert "no_space: 5" in logged[2] and "read_only: 2" in logged[2]
-    assert s.lookup(keys[7:]) == [0] and s.stats.tiers["disk"].writes == 1
+    assert s.lookup(keys[7:]) == [s.tiers[0].id] and s.stats.tiers["disk"].writes == 1
     s.check()
     s.close()
 

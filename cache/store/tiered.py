@@ -98,6 +98,7 @@ class TieredStore:
             raise ValueError("at most one shared tier, and it must be the last")
         self.shared: Optional[Tier] = self.tiers[-1] if shared else None
         self.n_local = len(self.tiers) - len(shared)
+        self._by_id = [(t, t.id) for t in self.tiers]  # each tier and its identity, for lookups
         self.layout = Layout(tuple(t.capacity for t in self.tiers[: self.n_local]), self.shared is not None)
         self.namespace = namespace
         self.signing_key = signing_key
@@ -164,15 +165,15 @@ class TieredStore:
         return self.writer.pins if self.writer is not None else None
 
     # -- lookup (scheduler path: cheap, never reads payloads) -----------------
-    def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[int]:
-        """Tier index of each leading chunk found, stopping at the first miss. The shared
-        tier answers from memory (what it knows so far; see ``probe``)."""
-        tiers = self.tiers[: self.n_local] if local_only else self.tiers
-        found = []
+    def lookup(self, keys: Sequence[str], local_only: bool = False) -> list[TierId]:
+        """The first tier (its ``TierId``) holding each leading chunk found, stopping at the
+        first miss. The shared tier answers from memory (what it knows so far; see ``probe``)."""
+        tiers = self._by_id[: self.n_local] if local_only else self._by_id
+        found: list[TierId] = []
         for key in keys:
-            for i, tier in enumerate(tiers):
+            for tier, tier_id in tiers:
                 if tier.contains(key):
-                    found.append(i)
+                    found.append(tier_id)
                     break
             else:
                 break

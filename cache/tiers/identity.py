@@ -10,7 +10,7 @@ each enabled tier's (``cache.config.TierSpec.id``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Medium(str, enum.Enum):
@@ -27,14 +27,23 @@ class Locality(str, enum.Enum):
     REMOTE = "REMOTE"  # shared by every node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class TierId:
     """One tier's identity: ``name`` is its label in settings, logs, metrics and
-    ``kv_transfer_params``."""
+    ``kv_transfer_params``.
 
+    Ids order by speed, fastest first, whatever order a store lists its tiers in: by
+    ``level`` (1: local memory, 2: local storage, 3: remote; ``L1``..``L3`` in the
+    settings), then by name. So ``max`` of the tiers a chunk is found in is the slowest."""
+
+    level: int = field(init=False, repr=False)  # from medium and locality: the first field, so it orders
     name: str
     medium: Medium
     locality: Locality
+
+    def __post_init__(self) -> None:
+        remote, memory = self.locality is Locality.REMOTE, self.medium is Medium.CPU
+        object.__setattr__(self, "level", 3 if remote else 1 if memory else 2)
 
     @property
     def shared(self) -> bool:

@@ -47,6 +47,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from cache.tiers.identity import TierId
+
 FULL_TAG = ""
 
 
@@ -231,7 +233,7 @@ class EntryLoad:
     kind: int  # index into GroupLayout.kinds
     chunk: int  # chunk index
     first_block: int  # first block (absolute) to load; the entry's earlier ones are skipped
-    tier: int  # slowest tier any rank holds the entry in
+    tier: TierId  # slowest tier any rank holds the entry in
 
 
 @dataclass
@@ -248,8 +250,8 @@ def plan_hit(
     n_tokens: int,
     computed: int,
     full_run: int,
-    tiers_of: Callable[[int, int], Optional[int]],
-    full_tiers: Sequence[int],
+    tiers_of: Callable[[int, int], Optional[TierId]],
+    full_tiers: Sequence[TierId],
 ) -> Optional[HitPlan]:
     """The longest hit past ``computed`` tokens for which every kind has what it needs.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from cache.tiers.identity import TierId
 from cache.vllm.groups import GroupLayout, HitPlan, plan_hit, window_chunks
 from cache.vllm.metadata import ChunkIO
 
@@ -30,17 +31,17 @@ def entry(chunks: Sequence, kind: int, i: int) -> tuple[str, Optional[str]]:
 
 def find_hit(
     layout: GroupLayout, views: Sequence, chunks: Sequence, n_tokens: int, computed: int
-) -> tuple[Optional[HitPlan], list[str], list[int]]:
+) -> tuple[Optional[HitPlan], list[str], list[TierId]]:
     """The longest hit every entry kind can serve (``groups.plan_hit``) with one lookup
     view per rank, the keys that would make it longer but are missing (to wait for
     saves in flight or the shared tier), and the tier of each leading full-attention
     entry every rank holds (for ``cache.explain``; for a hybrid model only those inside
     the hit, which its windows bound). An entry counts when every rank has it, and it
-    loads from the slowest tier any rank holds it in."""
+    loads from the slowest tier any rank holds it in (``TierId`` orders by speed)."""
     kinds = layout.kinds
-    memo: dict[str, Optional[int]] = {}
+    memo: dict[str, Optional[TierId]] = {}
 
-    def tier_of(key: str) -> Optional[int]:
+    def tier_of(key: str) -> Optional[TierId]:
         if key not in memo:
             found = [v.lookup([key]) for v in views]
             memo[key] = max(f[0] for f in found) if all(found) else None
@@ -73,24 +74,27 @@ def find_hit(
 
 
 def plan_loads(
-    layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int, tier_names: Sequence[str]
+    layout: GroupLayout, plan: HitPlan, chunks: Sequence, computed: int
 ) -> tuple[dict[str, int], list[ChunkIO]]:
-    """The prompt tokens the hit serves per tier (a chunk counts under the slowest tier
-    of its entries) and one ``ChunkIO`` per entry to load (block ids filled in once vLLM
+    """The prompt tokens the hit serves per tier name (a chunk counts under the slowest
+    tier of its entries) and one ``ChunkIO`` per entry to load (block ids filled in once vLLM
     allocates them). Each token is counted once, on the first entry of its chunk; those
     of chunks with no entry to load (outside every window) on the first entry of all."""
     B = layout.block_size
-    slowest: dict[int, int] = {}
-    for x in plan.loads:
-        slowest[x.chunk] = max(slowest.get(x.chunk, -1), x.tier)
+    slowest: dict[int, TierId] = {}
+    for x in plan.loads:  # (compared only when a chunk has several entries: hybrid models)
+        held = slowest.get(x.chunk)
+        slowest[x.chunk] = x.tier if held is None or x.tier > held else held
     planned: dict[str, int] = {}
     tokens: dict[int, int] = {}  # per chunk: its tokens in the hit
     for i in range(plan.chunks):
         c = chunks[i]
         if c.end > computed:
             tokens[i] = min(c.end, plan.hit_end) - max(c.start, computed)
-            name = tier_names[slowest.get(i, max(slowest.values()))]
-            planned[name] = planned.get(name, 0) + tokens[i]
+            tier = slowest.get(i)
+            if tier is None:  # no entry of it to load: the slowest tier of all
+                tier = max(slowest.values())
+            planned[tier.name] = planned.get(tier.name, 0) + tokens[i]
     rest = sum(n for i, n in tokens.items() if i not in slowest)
     out: list[ChunkIO] = []
     for x in plan.loads:
@@ -98,15 +102,15 @@ def plan_loads(
         c = chunks[x.chunk]
         held_from = layout.kinds[x.kind].blocks(c.start, c.end, B)[0]
         n = tokens.pop(x.chunk, 0) + (rest if not out else 0)
-        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n, tier=tier_names[x.tier]))
+        out.append(ChunkIO(key, parent, [], x.first_block - held_from, kind=x.kind, tokens=n, tier=x.tier.name))
     return planned, out
 
 
 def load_spans(
-    layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes: Sequence[int], tier_names: Sequence[str]
+    layout: GroupLayout, plan: HitPlan, chunks: Sequence, kind_bytes: Sequence[int]
 ) -> tuple[list[tuple[int, int, str]], Optional[list[int]]]:
     """A hit's loads for the cost model (``LoadPlanner.plan``): per chunk to load, its
-    tokens in the hit and its tier, in order (bytes: None, the planner's per block).
+    tokens in the hit and its tier's name, in order (bytes: None, the planner's per block).
 
     A hybrid model's hit serves only whole (its full-attention chain and the windows
     before its end): per entry to load, its chunk's tokens in the hit and its tier,
@@ -114,14 +118,12 @@ def load_spans(
     reads whole entries: a window entry holds only its chunk's blocks under the window;
     ``kind_bytes``: per block of each kind, empty when unknown)."""
     if not layout.hybrid:
-        return [
-            (chunks[x.chunk].start, min(chunks[x.chunk].end, plan.hit_end), tier_names[x.tier]) for x in plan.loads
-        ], None
+        return [(chunks[x.chunk].start, min(chunks[x.chunk].end, plan.hit_end), x.tier.name) for x in plan.loads], None
     B = layout.block_size
     spans, sizes = [], []
     for x in sorted(plan.loads, key=lambda x: (min(chunks[x.chunk].end, plan.hit_end), x.kind)):
         c = chunks[x.chunk]
         first, last = layout.kinds[x.kind].blocks(c.start, c.end, B)
-        spans.append((c.start, min(c.end, plan.hit_end), tier_names[x.tier]))
+        spans.append((c.start, min(c.end, plan.hit_end), x.tier.name))
         sizes.append((last - first) * (kind_bytes[x.kind] if kind_bytes else 0))
     return spans, sizes

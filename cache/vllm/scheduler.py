@@ -126,11 +126,11 @@ class SchedulerSide:
         self.chain, self.salt = namespaces[0].chain_digest, Salts(config.weights_hash)  # salt: cache_salt + adapter
         # One lookup-only view per worker rank: a chunk counts only if every rank has it.
         self.views = [lookup_view(config, ns) for ns in namespaces]
-        # Tier roles, in the views' tier order: names (for kv_transfer_params) and which
-        # tiers load before the forward pass (the others load on worker threads).
+        # Tier roles: names, fastest first (for kv_transfer_params), and which tiers (by
+        # ``TierId``) load before the forward pass (the others load on worker threads).
         specs = config.tiers()
         self.tier_names = [t.name for t in specs]
-        self.sync_tiers = {i for i, t in enumerate(specs) if t.synchronous}
+        self.sync_tiers = {t.id for t in specs if t.synchronous}
         # Load or recompute, per request, from costs measured online (cache.cost).
         self.planner = LoadPlanner(
             self.tier_names,
@@ -212,7 +212,7 @@ class SchedulerSide:
             and (any(self.saves.awaiting(st, k) for k in missing) or self._awaiting_shared(st, missing))
         ):
             return None, False  # ask again at the next step
-        st.why = self._looked_up(st, num_computed_tokens, [self.tier_names[t] for t in found])
+        st.why = self._looked_up(st, num_computed_tokens, [t.name for t in found])
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
             loads = [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
@@ -233,7 +233,7 @@ class SchedulerSide:
         hit_end = plan.hit_end
         self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
         asynchronous = self.layout.hybrid or (not inline and any(x.tier not in self.sync_tiers for x in plan.loads))
-        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens, self.tier_names)
+        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens)
         st.pending_load = LoadRequest(
             request.request_id,
             chunks,
@@ -249,7 +249,7 @@ class SchedulerSide:
         """The part of ``plan`` worth loading (``cache.cost``): all of it, a prefix of its
         chunks, or nothing (None: recompute); and the cost model's plan. A hybrid model's
         hit loads whole or not at all (``hits.load_spans``)."""
-        spans, sizes = load_spans(self.layout, plan, st.chunks, self.planner.kind_bytes, self.tier_names)
+        spans, sizes = load_spans(self.layout, plan, st.chunks, self.planner.kind_bytes)
         cost = self.planner.plan(req_id, spans, st.n_tokens, computed, inline, entry_bytes=sizes)
         if cost.chunks >= len(plan.loads):
             return plan, cost
