@@ -73,6 +73,12 @@ def _stacks(folder: Path) -> dict[str, Counter]:
     return out
 
 
+def config_env(config: str, args, work: Path) -> dict[str, str]:
+    """``config``'s server settings (``bench.capacity``'s): ``ours-base`` as ``ours``, the
+    limit's L0 ``--limit-tokens``, every other ``--l0-tokens``."""
+    return capacity.server_env("ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens)
+
+
 def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> dict:
     """Start ``config``'s server, run the users (its processes sampled when ``profile_to``:
     ``bench.stack_sampler``), stop it; the turn records and the samples taken meanwhile."""
@@ -87,7 +93,7 @@ def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> di
     work.mkdir(parents=True)
     base = config == BASE
     repo = args.base if base else REPO
-    env = capacity.server_env("ours" if base else config, work, args.l0_tokens, args.l0_tokens)
+    env = config_env(config, args, work)
     if profile_to is not None:
         shutil.rmtree(profile_to, ignore_errors=True)
         profile_to.mkdir(parents=True)
@@ -175,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=90.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--l0-tokens", type=int, default=32768)
+    p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens (bench.capacity's)")
     p.add_argument(
         "--profile", type=Path, help="sample every server process's stacks (bench.stack_sampler) into this folder"
     )
