@@ -10,8 +10,10 @@ from bench import low_load
 
 def test_the_limit_gets_the_limit_l0_and_every_other_configuration_the_small_one(tmp_path: Path):
     args = Namespace(l0_tokens=32768, limit_tokens=524288)
-    blocks = {c: int(low_load.config_env(c, args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"])
-              for c in ("limit", "ours", "vllm-alone", low_load.BASE)}
+    blocks = {
+        c: int(low_load.config_env(c, args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"])
+        for c in ("limit", "ours", "vllm-alone", low_load.BASE)
+    }
     assert blocks["limit"] == 16 * blocks["ours"]
     assert blocks["ours"] == blocks["vllm-alone"] == blocks[low_load.BASE]
     assert "KVCACHE_DRAM_PATH" in low_load.config_env(low_load.BASE, args, tmp_path)
