@@ -10,6 +10,13 @@ and sending the same conversations (``bench.capacity``'s users, chat by default)
 per configuration and their ratio to the first configuration's in the same round, then
 the same over every round's turns pooled.
 
+Every configuration's line comes with the CPU its server's processes and threads took
+(``bench.proc_cpu``: per turn and in cores; the cache's threads carry their names).
+``--timings DIR`` runs ours with ``bench.timed_connector`` and prints its engine steps
+grouped by what they carried (``bench.step_timings``). ``ours-l0-limit`` (ours with the
+limit's L0: nothing to load) splits ours' gap to the limit into what saving costs and what
+loading costs.
+
 ``--profile DIR`` also samples every thread's Python stack in every server process
 (``bench.stack_sampler``: py-spy cannot attach on this machine) and prints, per
 configuration, samples per turn by process and thread, and where the cache's own code
@@ -37,13 +44,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import capacity  # noqa: E402
+from bench import capacity, proc_cpu, step_timings, vllm_steps  # noqa: E402
 from bench import capacity_stats as stats  # noqa: E402
 from bench.capacity_workloads import workload  # noqa: E402
 
 # ``--base DIR``: "ours" as another source tree runs it (e.g. ``git archive main``), for a
 # before/after in the same rounds.
 BASE = "ours-base"
+# Ours with the limit's L0: nothing is ever loaded, so its gap to the limit is what saving
+# and the connector's presence cost under load, and ours' gap to it what the loads cost.
+UNLIMITED = "ours-l0-limit"
 
 
 async def run_users(url: str, model: str, wl, users: int, duration: float, salt: str) -> list[dict]:
@@ -75,13 +85,25 @@ def _stacks(folder: Path) -> dict[str, Counter]:
 
 def config_env(config: str, args, work: Path) -> dict[str, str]:
     """``config``'s server settings (``bench.capacity``'s): ``ours-base`` as ``ours``, the
-    limit's L0 ``--limit-tokens``, every other ``--l0-tokens``."""
+    limit's L0 ``--limit-tokens`` (and ``ours-l0-limit``'s: ``ours`` with it), every other
+    ``--l0-tokens``."""
+    if config == UNLIMITED:
+        return capacity.server_env("ours", work, args.limit_tokens, args.limit_tokens)
     return capacity.server_env("ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens)
 
 
-def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> dict:
+def one(
+    config: str,
+    args,
+    work: Path,
+    salt: str,
+    profile_to: Path | None,
+    timing_to: Path | None = None,
+    steps_to: Path | None = None,
+) -> dict:
     """Start ``config``'s server, run the users (its processes sampled when ``profile_to``:
-    ``bench.stack_sampler``), stop it; the turn records and the samples taken meanwhile."""
+    ``bench.stack_sampler``; with the timed connector logging to ``timing_to``, if given and
+    the cache is on), stop it; the turn records and the samples taken meanwhile."""
     import shutil
 
     import httpx
@@ -101,14 +123,30 @@ def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> di
             PYTHONPATH=f"{shim(str(work / 'shim'))}:{REPO}:{repo}",  # (the server runs in repo)
             KVBENCH_STACKS=str(profile_to.resolve()),
         )
-    proc, url = start_server(work, overrides=env, repo=repo)
+    if steps_to is not None:
+        steps_to.unlink(missing_ok=True)
+        env.update(
+            PYTHONPATH=f"{vllm_steps.shim(str(work / 'steps-shim'))}:{REPO}:{repo}",
+            KVBENCH_VSTEPS=str(steps_to.resolve()),
+        )
+    module = "serving"
+    if timing_to is not None and config not in ("vllm-alone", "limit"):  # (a connector to time)
+        timing_to.unlink(missing_ok=True)
+        env["KVBENCH_TIMING_LOG"] = str(timing_to.resolve())
+        module = "bench.timed_server"
+    proc, url = start_server(work, overrides=env, repo=repo, module=module)
     before: dict = {}
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         if profile_to is not None:
             time.sleep(6)  # the sampler's counts up to now (start-up) are written
             before = _stacks(profile_to)
+        cpu0, t0, client0 = proc_cpu.snapshot(proc.pid), time.perf_counter(), time.process_time()
         records = asyncio.run(run_users(url, model, workload(args.workload), args.users, args.duration, salt))
+        t1 = time.perf_counter()
+        cpu = (cpu0, proc_cpu.snapshot(proc.pid), t1 - t0, time.process_time() - client0)
+        if steps_to is not None:
+            time.sleep(1.5)  # (the timer writes every second)
         if profile_to is not None:
             time.sleep(6)
     finally:
@@ -121,7 +159,7 @@ def one(config: str, args, work: Path, salt: str, profile_to: Path | None) -> di
     if profile_to is not None:
         after = _stacks(profile_to)
         samples = {k: after[k] - before.get(k, Counter()) for k in after}
-    return {"records": records, "samples": samples}
+    return {"records": records, "samples": samples, "cpu": cpu, "window": (t0, t1)}
 
 
 def summary(records: list[dict]) -> dict:
@@ -175,7 +213,11 @@ def profile_summary(config: str, samples: dict[str, Counter], turns: int, top: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default="vllm-alone,ours", help="first: the baseline of the ratios")
+    p.add_argument(
+        "--configs",
+        default="vllm-alone,ours",
+        help=f"first: the baseline of the ratios; bench.capacity's, or {UNLIMITED!r}",
+    )
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--workload", default="chat")
     p.add_argument("--duration", type=float, default=90.0)
@@ -185,6 +227,17 @@ def main(argv=None) -> int:
     p.add_argument(
         "--profile", type=Path, help="sample every server process's stacks (bench.stack_sampler) into this folder"
     )
+    p.add_argument(
+        "--timings",
+        type=Path,
+        help="run ours with bench.timed_connector, its log per configuration and round in this folder, "
+        "and print its step timings (bench.step_timings)",
+    )
+    p.add_argument(
+        "--steps",
+        type=Path,
+        help="time vLLM's own step calls in every configuration (bench.vllm_steps), logs in this folder",
+    )
     p.add_argument("--base", type=Path, help=f"another source tree: adds {BASE!r}, ours as that tree runs it")
     p.add_argument("--json", type=Path, help="write every round's summaries here")
     p.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvbench-low-load")
@@ -193,12 +246,15 @@ def main(argv=None) -> int:
     if args.base is not None and BASE not in configs:
         configs.insert(1, BASE)
     for c in configs:
-        if c == BASE and args.base is not None:
+        if (c == BASE and args.base is not None) or c == UNLIMITED:
             continue
         if c not in capacity.CONFIGS:
             p.error(f"unknown configuration {c!r}; known: {', '.join(capacity.CONFIGS)}")
-    if args.profile:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    if args.profile and args.steps:
+        p.error("--profile and --steps each need their own sitecustomize: one at a time")
+    for folder in (args.profile, args.timings, args.steps):
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
     salt = f"{time.time_ns():x}"
     pooled: dict[str, list] = {c: [] for c in configs}
     rounds = []
@@ -207,11 +263,21 @@ def main(argv=None) -> int:
         got = {}
         for c in order:
             prof = args.profile / f"{c}-{r}" if args.profile else None
-            res = one(c, args, args.workdir / c, f"{salt}-{r}-", prof)
+            log = args.timings / f"{c}-{r}.jsonl" if args.timings else None
+            steps = args.steps / f"{c}-{r}.jsonl" if args.steps else None
+            res = one(c, args, args.workdir / c, f"{salt}-{r}-", prof, log, steps)
             got[c] = res["records"]
             pooled[c] += got[c]
+            turns = sum(1 for x in got[c] if x["ok"])
+            before, after, seconds, client = res["cpu"]
+            print("\n".join(proc_cpu.lines(c, before, after, turns, seconds)), flush=True)
+            print(f"  (the client, this process: {client / seconds:.2f} cores)", flush=True)
             if res["samples"]:
-                print(profile_summary(c, res["samples"], sum(1 for x in got[c] if x["ok"])), flush=True)
+                print(profile_summary(c, res["samples"], turns), flush=True)
+            if steps is not None:
+                print(f"{c}: vLLM's step calls", *vllm_steps.summarize(str(steps), turns, *res["window"]), sep="\n")
+            if log is not None and log.exists():
+                print("\n".join(step_timings.lines(c, step_timings.summarize(step_timings.read_steps(log), turns))))
         sums = {c: summary(got[c]) for c in configs}
         rounds.append(sums)
         print(f"round {r + 1} ({args.users} users, {args.duration:g} s, order {','.join(order)}):", flush=True)

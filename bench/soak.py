@@ -117,10 +117,13 @@ def tier_hits(url: str) -> dict:
     return dict(out)
 
 
-def start_server(tmp: Path, overrides: dict | None = None, repo: Path = REPO) -> tuple[subprocess.Popen, str]:
+def start_server(
+    tmp: Path, overrides: dict | None = None, repo: Path = REPO, module: str = "serving"
+) -> tuple[subprocess.Popen, str]:
     """``python -m serving`` on the generated model, logs in ``tmp/server.log``; ``overrides``:
     settings replacing the soak's (``bench.capacity`` uses its own); ``repo``: the source
-    tree it runs (``bench.low_load`` compares another checkout's)."""
+    tree it runs (``bench.low_load`` compares another checkout's); ``module``: what runs in
+    place of ``serving`` (``bench.timed_server``)."""
     from serving.default_model import ensure_model
 
     model = ensure_model(REPO / ".models" / "test-llama")
@@ -149,7 +152,7 @@ def start_server(tmp: Path, overrides: dict | None = None, repo: Path = REPO) ->
     env.update(overrides or {})
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving"],
+        [sys.executable, "-m", module],
         cwd=repo,
         env=env,
         stdout=log,

@@ -10,7 +10,12 @@ and changes nothing but adds timers around it, through the worker's timing hook
   an asynchronous load's decision to the step that schedules the request (the
   async-load round trip);
 - worker: ``start_load_kv`` and, inside each load, per chunk: tier read, entry check
-  (decode + checksum), copy into the paged KV cache (scatter); ``wait_for_save``.
+  (decode + checksum), copy into the paged KV cache (scatter); ``wait_for_save``;
+- worker, every step (``step`` records, written in batches): the step's span from
+  ``bind_connector_metadata`` to the end of ``wait_for_save`` (the forward pass and the
+  connector's hooks around it), the part of it spent in ``start_load_kv``, in
+  ``wait_for_layer_load`` (layer-wise loads) and in ``wait_for_save``, and what the step
+  carried: loads, saves, tokens computed.
 
 Used by ``bench.profile_engine``; not part of the product.
 """
@@ -50,6 +55,50 @@ class TimedTieredKVConnector(TieredKVConnector):
         self._timers = _Timers()
         if self.worker_side is not None:
             self.worker_side.set_timer(self._timing)  # the worker's own hook: no patching
+        self._step: dict | None = None
+        self._steps: list[dict] = []
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        t = time.perf_counter()
+        super().bind_connector_metadata(connector_metadata)
+        loads = getattr(connector_metadata, "loads", None) or []
+        compute = getattr(connector_metadata, "compute", None)
+        self._step = {
+            "t0": t,
+            "loads": len(loads),
+            "sync_loads": sum(1 for x in loads if not x.asynchronous),
+            "saves": len(getattr(connector_metadata, "saves", None) or []),
+            "tokens": compute[0] if compute else 0,
+            "pairs": compute[1] if compute else 0.0,
+            "start_load_ms": 0.0,
+            "layer_wait_ms": 0.0,
+            "save_ms": 0.0,
+        }
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        t = time.perf_counter()
+        super().wait_for_layer_load(layer_name)
+        if self._step is not None:
+            self._step["layer_wait_ms"] += (time.perf_counter() - t) * 1e3
+
+    def _step_done(self, end: float) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        step["span_ms"] = (end - step.pop("t0")) * 1e3
+        self._steps.append(step)
+        if len(self._steps) >= 200:
+            self._flush_steps()
+
+    def _flush_steps(self) -> None:
+        steps, self._steps = self._steps, []
+        with _lock, open(self._log, "a") as f:
+            for s in steps:
+                f.write(json.dumps({"event": "step", "pid": os.getpid(), **s}) + "\n")
+
+    def shutdown(self) -> None:
+        self._flush_steps()
+        super().shutdown()
 
     def _timing(self, step: str, seconds: float, **details) -> None:
         """The worker's timing hook. Reads of an async load run on the store's read
@@ -80,13 +129,19 @@ class TimedTieredKVConnector(TieredKVConnector):
         t = time.perf_counter()
         super().start_load_kv(forward_context, **kwargs)
         ms = (time.perf_counter() - t) * 1e3
+        if self._step is not None:
+            self._step["start_load_ms"] += ms
         if ms > 0.5:
             _emit(self._log, event="start_load_kv", ms=ms)
 
     def wait_for_save(self) -> None:
         t = time.perf_counter()
         super().wait_for_save()
-        ms = (time.perf_counter() - t) * 1e3
+        end = time.perf_counter()
+        ms = (end - t) * 1e3
+        if self._step is not None:
+            self._step["save_ms"] += ms
+            self._step_done(end)
         if ms > 0.5:
             _emit(self._log, event="wait_for_save", ms=ms)
 

@@ -13,6 +13,11 @@ Writes are background work: their threads also run at a lower priority (nice +10
 that wherever they run, a thread on the request path (the engine loop, a load) comes
 first. Loads stay at normal priority: a request is waiting for them.
 
+Each thread also gives the kernel its name (``kvcache-write_0``, ``kvcache-read_1``, ...),
+so ``top -H``, ``ps -L`` and ``/proc/<pid>/task/*/comm`` tell the cache's threads from the
+process's own: Python names threads for itself only, and the kernel would show them all
+under the process's name (``VLLM::Worker``).
+
 GPU workers: the current CUDA device is per thread, and a thread that never selected
 one works on device 0 (with tensor parallelism, every rank's writer and loader threads
 would open a CUDA context on GPU 0, or copy across devices). Once the worker knows its
@@ -53,6 +58,7 @@ class ThreadSetup:
         self.select_device: Optional[Callable[[], None]] = None
 
     def __call__(self, role: str) -> None:
+        name_os_thread(threading.current_thread().name)
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)  # 0: the calling thread
@@ -66,6 +72,15 @@ class ThreadSetup:
                 select()
             except Exception as e:  # (an initializer that raises breaks its thread pool)
                 log.warning("kvcache: %s thread could not select the worker's CUDA device: %s", role, e)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread's kernel name (15 bytes at most; Linux only, best effort)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name.encode()[:15].decode(errors="ignore"))
+    except OSError:  # not Linux, or /proc read-only
+        pass
 
 
 def thread_setup(cpus: frozenset[int]) -> ThreadSetup:

@@ -73,5 +73,9 @@ def test_every_cache_thread_runs_on_the_spare_cpus(tmp_path):
         for name, tid in names.items():
             nice = os.getpriority(os.PRIO_PROCESS, tid) - os.getpriority(os.PRIO_PROCESS, 0)
             assert nice == (WRITER_NICE if name.startswith(("kvcache-write", "kvcache-publish")) else 0), name
+        # The kernel knows them by name too (top -H, ps -L, bench.proc_cpu), cut to 15 bytes.
+        for name, tid in names.items():
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                assert f.read().strip() == name[:15], name
     finally:
         store.close()
