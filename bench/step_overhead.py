@@ -6,10 +6,11 @@ No engine: a real ``WorkerSide`` (DRAM and disk tiers in temporary folders, a sm
 KV cache) and a real ``SchedulerSide`` (the check model's chunk, DRAM 2 GiB, disk 8 GiB
 as in ``bench.capacity``'s "ours"). Prints, as the minimum and median of 15 repeats:
 the worker hooks vLLM calls on the forward thread in a step with no load and no save
-(``bind``/``start_load_kv``/``wait_for_save``/transfer results/stats/settled saves), and
+(``bind``/``start_load_kv``/``wait_for_save``/transfer results/stats/settled saves),
 the scheduler's lookup of a new 3,000-token request (hashing, every tier's ``contains``,
-the explanation); the lookup's share in the miss-ratio curves is in the commit that moved
-them to ``request_finished`` (issue 31 item 3). Run it before and after a change
+the explanation), and the scheduler's hooks in a decode step with 32 requests running
+(``build_connector_meta``); the lookup's share in the miss-ratio curves is in the commit
+that moved them to ``request_finished`` (issue 31 item 3). Run it before and after a change
 (``git stash``) on the same machine: it is sensitive to load.
 """
 
@@ -106,6 +107,32 @@ def main() -> None:
             f"scheduler lookup of a new 3,000-token request (2,048 in L0): min {lo / 1e3:.2f} ms, "
             f"median {med / 1e3:.2f} ms (random token ids drawn included)"
         )
+
+        # A decode step with 32 running requests (the 32-user chat point of bench.low_load):
+        # what the scheduler side does in every step, in the engine core's loop.
+        running = [f"r{next(count)}" for _ in range(32)]
+        for req_id in running:
+            toks = [int(t) for t in rng.integers(0, 250, 3000)]
+            sched.get_num_new_matched_tokens(
+                SimpleNamespace(
+                    request_id=req_id,
+                    prompt_token_ids=toks,
+                    all_token_ids=toks,
+                    lora_request=None,
+                    mm_features=None,
+                    prompt_embeds=None,
+                    kv_transfer_params=None,
+                    cache_salt=None,
+                ),
+                0,
+            )
+        decode = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=running, num_computed_tokens=[3005] * 32),
+            num_scheduled_tokens=dict.fromkeys(running, 1),
+        )
+        lo, med = _timed(lambda: sched.build_connector_meta(decode), 200)
+        print(f"scheduler hooks of a decode step, 32 requests running: min {lo:.1f} us, median {med:.1f} us")
 
 
 if __name__ == "__main__":
