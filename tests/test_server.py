@@ -1071,6 +1071,7 @@ def test_sigterm_drains_then_cuts_long_requests_with_json_503_and_exits_zero(ser
         # a stream thread may only end with its result: a loaded machine can finish the
         # short one before the long one's first token (then it does not drain; checked alike)
         assert all(t.is_alive() or n in result for t, n in zip(threads, names)), result
+        assert threads[2].is_alive(), result  # plain ended before SIGTERM: the wait would never end
         assert server.proc.poll() is None, result
         time.sleep(0.05)
     log_before = len(server.log.read_text())
