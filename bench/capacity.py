@@ -40,6 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import capacity_stats as stats  # noqa: E402
+from bench import host  # noqa: E402
 from bench.capacity_workloads import Workload, workload  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -319,7 +320,7 @@ def main(argv=None) -> int:
         f"workloads {','.join(args.workloads)}; configurations {','.join(args.configs)}; users "
         f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
         f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
-        f"(limit {args.limit_tokens:,}); {os.cpu_count()} CPUs"
+        f"(limit {args.limit_tokens:,}); {host.describe()}"
     )
     result = {
         "run": {

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import capacity, proc_cpu, step_timings, vllm_steps  # noqa: E402
+from bench import capacity, host, proc_cpu, step_timings, vllm_steps  # noqa: E402
 from bench import capacity_stats as stats  # noqa: E402
 from bench.capacity_workloads import workload  # noqa: E402
 
@@ -255,6 +255,8 @@ def main(argv=None) -> int:
     for folder in (args.profile, args.timings, args.steps):
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
+    machine = host.describe()
+    print(f"host: {machine}", flush=True)
     salt = f"{time.time_ns():x}"
     pooled: dict[str, list] = {c: [] for c in configs}
     rounds = []
@@ -290,7 +292,13 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "pooled": total}, indent=1
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "host": machine,
+                    "rounds": rounds,
+                    "pooled": total,
+                },
+                indent=1,
             )
         )
     return 0 if all(total[c]["turns"] for c in configs) else 1
