@@ -111,3 +111,20 @@ def test_a_publish_queued_past_the_write_keeps_its_own_copy_of_a_reused_slot(tmp
     entry = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).view(info.shape)
     assert torch.equal(entry[0, 1], caches["layer.0"][1]) and torch.equal(entry[1, 0], caches["layer.1"][0])
     side.shutdown()
+
+
+def test_the_slot_freed_last_is_taken_first():
+    """A pool cycling through every slot in turn would write, on each save, memory not
+    touched for a long time (unmapped pages at first, then lines long out of the CPU's
+    caches): the slot just given back is the one handed out next."""
+    from cache.vllm.staging import StagingPool
+
+    pool = StagingPool(64, 8)
+    a, b = pool.take(64), pool.take(64)
+    pool.release(a)
+    pool.release(b)
+    assert pool.take(64) is b
+    assert pool.take(64) is a
+    c = pool.take(64)
+    pool.release(c)
+    assert pool.take(64) is c

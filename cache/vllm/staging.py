@@ -15,6 +15,13 @@ Who takes a slot, and when it comes back:
 - a synchronous load on CUDA (``BlockCopier.scatter``): the entry is copied into a slot,
   and from there to the device; released when that copy ends.
 
+``take`` hands out the slot freed last: a pool is far larger than the copies in flight
+(``STAGING_CHUNKS`` entries), and cycling through every slot in turn would make each
+save's copy write memory not touched for a long time: on the CPU build, pages never
+touched yet (a fault per 4 KiB page; torch allocates them lazily) until every slot has
+been used once, then lines long gone from the CPU's caches. Reusing the last slot keeps
+a save's copy at memory speed (``bench/results/low_load.md``).
+
 ``take`` never blocks: with no slot free it returns None. A save then is skipped (a
 future miss, counted as ``dropped_staging``, ``kvcache:tier_dropped_staging_total``);
 a load copies from the entry's own (pageable) memory instead, slower, counted as
@@ -92,7 +99,7 @@ class StagingPool:
                 else:
                     self.unstaged_loads += 1
                 return None
-            index = self._free.popleft()
+            index = self._free.pop()  # the slot freed last: its pages are mapped and likely cached
             self.taken += 1
             self.high_water = max(self.high_water, self.slots - len(self._free))
             return self._slots[index]
