@@ -15,7 +15,8 @@ Every configuration's line comes with the CPU its server's processes and threads
 ``--timings DIR`` runs ours with ``bench.timed_connector`` and prints its engine steps
 grouped by what they carried (``bench.step_timings``). ``ours-l0-limit`` (ours with the
 limit's L0: nothing to load) splits ours' gap to the limit into what saving costs and what
-loading costs.
+loading costs; ``ours-off``, ``ours-nosave`` and ``ours-copyonly`` (``bench.off_connector``:
+the cache off, no save, saves copied then dropped; the limit's L0) split that further.
 
 ``--profile DIR`` also samples every thread's Python stack in every server process
 (``bench.stack_sampler``: py-spy cannot attach on this machine) and prints, per
@@ -54,6 +55,11 @@ BASE = "ours-base"
 # Ours with the limit's L0: nothing is ever loaded, so its gap to the limit is what saving
 # and the connector's presence cost under load, and ours' gap to it what the loads cost.
 UNLIMITED = "ours-l0-limit"
+# Ours with parts switched off (bench.off_connector; KVBENCH_CONNECTOR of bench.timed_server),
+# the limit's L0: "ours-off" the connector configured with the cache off (its gap to the limit
+# is what vLLM's connector plumbing costs), "ours-nosave" no save copied or written,
+# "ours-copyonly" each save copied on the forward thread, then dropped.
+ABLATED = {"ours-off": "off", "ours-nosave": "nosave", "ours-copyonly": "copyonly"}
 
 
 async def run_users(url: str, model: str, wl, users: int, duration: float, salt: str) -> list[dict]:
@@ -87,7 +93,7 @@ def config_env(config: str, args, work: Path) -> dict[str, str]:
     """``config``'s server settings (``bench.capacity``'s): ``ours-base`` as ``ours``, the
     limit's L0 ``--limit-tokens`` (and ``ours-l0-limit``'s: ``ours`` with it), every other
     ``--l0-tokens``."""
-    if config == UNLIMITED:
+    if config == UNLIMITED or config in ABLATED:
         return capacity.server_env("ours", work, args.limit_tokens, args.limit_tokens)
     return capacity.server_env("ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens)
 
@@ -130,7 +136,10 @@ def one(
             KVBENCH_VSTEPS=str(steps_to.resolve()),
         )
     module = "serving"
-    if timing_to is not None and config not in ("vllm-alone", "limit"):  # (a connector to time)
+    if config in ABLATED:
+        env["KVBENCH_CONNECTOR"] = ABLATED[config]
+        module = "bench.timed_server"
+    elif timing_to is not None and config not in ("vllm-alone", "limit"):  # (a connector to time)
         timing_to.unlink(missing_ok=True)
         env["KVBENCH_TIMING_LOG"] = str(timing_to.resolve())
         module = "bench.timed_server"
@@ -216,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--configs",
         default="vllm-alone,ours",
-        help=f"first: the baseline of the ratios; bench.capacity's, or {UNLIMITED!r}",
+        help=f"first: the baseline of the ratios; bench.capacity's, {UNLIMITED!r} or {', '.join(ABLATED)}",
     )
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--workload", default="chat")
@@ -246,7 +255,7 @@ def main(argv=None) -> int:
     if args.base is not None and BASE not in configs:
         configs.insert(1, BASE)
     for c in configs:
-        if (c == BASE and args.base is not None) or c == UNLIMITED:
+        if (c == BASE and args.base is not None) or c == UNLIMITED or c in ABLATED:
             continue
         if c not in capacity.CONFIGS:
             p.error(f"unknown configuration {c!r}; known: {', '.join(capacity.CONFIGS)}")

@@ -3,9 +3,12 @@
 For benchmarks only (``bench.low_load --steps``): a configuration without our connector
 (vLLM alone, the limit) has no hook of ours to time, so this wraps vLLM's methods
 instead, the same way in every configuration: the worker's ``execute_model`` and
-``sample_tokens`` (vLLM V1 splits a step in the two) and the engine core's ``step``
-and ``step_with_batch_queue``. Started by the ``sitecustomize`` that ``shim`` writes
-(first on ``PYTHONPATH``, ``KVBENCH_VSTEPS`` set): a daemon thread waits for each
+``sample_tokens`` (vLLM V1 splits a step in the two), the engine core's ``step``
+and ``step_with_batch_queue`` and its scheduler's ``schedule`` and ``update_from_output``;
+and, where the configuration has our connector, its hooks (each call timed, about a
+microsecond added); and the garbage collector's pauses per generation (``gc0``..``gc2``).
+Started by the ``sitecustomize`` that ``shim`` writes (first on ``PYTHONPATH``,
+``KVBENCH_VSTEPS`` set): a daemon thread waits for each
 module to be imported, wraps the methods (looked up on the class at every call, so
 wrapping after the objects exist works), and appends ``{"p": process, "f": method,
 "t": start, "ms": duration}`` lines to ``$KVBENCH_VSTEPS`` every second.
@@ -14,6 +17,7 @@ wrapping after the objects exist works), and appends ``{"p": process, "f": metho
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -23,6 +27,25 @@ import time
 TARGETS = {
     "vllm.v1.worker.gpu_worker": ("Worker", ("execute_model", "sample_tokens")),
     "vllm.v1.engine.core": ("EngineCore", ("step", "step_with_batch_queue")),
+    "vllm.v1.core.sched.scheduler": ("Scheduler", ("schedule", "update_from_output")),
+    # our connector's hooks, where a configuration has it (bench.off_connector's inherit them)
+    "cache.vllm.connector": (
+        "TieredKVConnector",
+        (
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "build_connector_meta",
+            "update_connector_output",
+            "request_finished",
+            "bind_connector_metadata",
+            "handle_preemptions",
+            "start_load_kv",
+            "wait_for_save",
+            "get_transfer_results",
+            "build_connector_worker_meta",
+            "get_kv_connector_stats",
+        ),
+    ),
 }
 
 
@@ -54,6 +77,19 @@ def start(path: str, wait_s: float = 600.0) -> None:
 
         timed.kvbench_timed = True  # type: ignore[attr-defined]
         setattr(cls, name, timed)
+
+    gc_started: dict[int, float] = {}
+
+    def gc_timed(phase: str, info: dict) -> None:  # the collector's pauses, as "gc<generation>"
+        if phase == "start":
+            gc_started[info["generation"]] = time.perf_counter()
+        else:
+            t = gc_started.pop(info["generation"], None)
+            if t is not None:
+                with lock:
+                    records.append({"f": f"gc{info['generation']}", "t": t, "ms": (time.perf_counter() - t) * 1e3})
+
+    gc.callbacks.append(gc_timed)
 
     def run() -> None:
         pending = dict(TARGETS)

@@ -120,3 +120,21 @@ def test_vllm_step_calls_are_timed_once_their_module_is_imported(tmp_path, monke
     ms = [json.loads(line)["ms"] for line in log.read_text().splitlines()]
     assert len(ms) == 3 and all(20 <= m < 1000 for m in ms)
     assert vllm_steps.summarize(str(log), turns=3, since=time.perf_counter() + 1) == []  # outside the window
+
+
+def test_the_collectors_pauses_are_timed_per_generation(tmp_path):
+    """``bench.vllm_steps`` also logs garbage-collector pauses (``gc0``..``gc2``): a process
+    that collects shows them, with their durations."""
+    log = tmp_path / "steps.jsonl"
+    code = (
+        "import gc, time\n"
+        "from bench import vllm_steps\n"
+        f"vllm_steps.start({str(log)!r}, wait_s=1)\n"
+        "junk = [[i] for i in range(200000)]\n"
+        "gc.collect()\n"
+        "time.sleep(1.5)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=os.getcwd())
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    full = [r for r in rows if r["f"] == "gc2"]
+    assert full and all(r["ms"] > 0 for r in full), rows

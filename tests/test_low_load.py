@@ -19,3 +19,23 @@ def test_the_limit_gets_the_limit_l0_and_every_other_configuration_the_small_one
     assert "KVCACHE_DRAM_PATH" in low_load.config_env(low_load.BASE, args, tmp_path)
     unlimited = low_load.config_env(low_load.UNLIMITED, args, tmp_path)  # ours, cache on
     assert unlimited["KVCACHE_DRAM_SIZE"] == "2GiB" and unlimited.get("KVCACHE_ENABLED") != "false"
+
+
+def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_path: Path):
+    """``ours-off``, ``ours-nosave``, ``ours-copyonly``: the limit's L0 (so their gaps to the
+    limit are not the loads'), ours' tier settings, and a connector class of
+    ``bench.off_connector`` that exists and is ours with parts switched off."""
+    import importlib
+
+    from bench import timed_server
+    from cache.vllm.connector import TieredKVConnector
+
+    args = Namespace(l0_tokens=32768, limit_tokens=524288)
+    limit = low_load.config_env("limit", args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"]
+    assert set(low_load.ABLATED) == {"ours-off", "ours-nosave", "ours-copyonly"}
+    for config, which in low_load.ABLATED.items():
+        env = low_load.config_env(config, args, tmp_path)
+        assert env["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"] == limit and env["KVCACHE_DRAM_SIZE"] == "2GiB"
+        kv = timed_server.swapped_config(lambda config: {"kv_connector_extra_config": {}}, which)(None)
+        cls = getattr(importlib.import_module(kv["kv_connector_module_path"]), kv["kv_connector"])
+        assert issubclass(cls, TieredKVConnector) and cls is not TieredKVConnector
