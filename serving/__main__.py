@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             log_level=config.http.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=3,
+            timeout_keep_alive=config.http.keep_alive_s,
             lifespan="on",
         ),
         app.state.gate,

@@ -63,6 +63,11 @@ PLATFORM_STARTUP_TIMEOUT_S = 3600
 DEFAULT_MAX_N = 16  # SERVING_MAX_N: choices per request
 DRAIN_SECONDS = 15.0  # SIGTERM -> SIGKILL is 30 s: drain, then ~10 s to stop vLLM
 MAX_DRAIN_SECONDS = 18.0  # SERVING_DRAIN_SECONDS above this cannot stop in time
+# SERVING_KEEP_ALIVE_SECONDS: how long an idle connection stays open. Longer than the idle
+# time of a client's or proxy's connection pool (aiohttp 15 s, load balancers 60 s), so the
+# client closes first: a server that closes an idle connection races the pool's next request
+# on it, which fails with a reset or "Server disconnected" (uvicorn's own default is 5 s).
+KEEP_ALIVE_SECONDS = 75
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class HttpSettings:
     sessions_path: Optional[str] = None  # the standards library's session folder (its default: /dev/shm)
     max_sessions: int = 1000  # open sessions at most (serving.sessions)
     max_n: int = DEFAULT_MAX_N  # most choices one request may ask for (n)
+    keep_alive_s: int = KEEP_ALIVE_SECONDS  # an idle connection is closed after this (uvicorn takes whole seconds)
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,7 @@ def _http_settings(env: Mapping[str, str]) -> tuple[HttpSettings, list[str]]:
         max_sessions=_int(env, "SERVING_MAX_SESSIONS", 1000, minimum=1),
         max_n=_int(env, "SERVING_MAX_N", DEFAULT_MAX_N, minimum=1),
         drain_timeout_s=float(_int(env, "SERVING_DRAIN_SECONDS", int(DRAIN_SECONDS), minimum=0)),
+        keep_alive_s=_int(env, "SERVING_KEEP_ALIVE_SECONDS", KEEP_ALIVE_SECONDS, minimum=1),
     )
     if http.drain_timeout_s > MAX_DRAIN_SECONDS:
         raise ConfigError(

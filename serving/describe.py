@@ -23,6 +23,7 @@ HTTP_VARIABLES = (
     ("SERVING_HOST", "bind address", lambda h: h.host),
     ("SERVING_MAX_N", "most choices per request (n)", lambda h: str(h.max_n)),
     ("SERVING_DRAIN_SECONDS", "drain deadline after SIGTERM (s)", lambda h: f"{h.drain_timeout_s:.0f}"),
+    ("SERVING_KEEP_ALIVE_SECONDS", "idle connection closed after (s)", lambda h: str(h.keep_alive_s)),
 )
 SHOWN_DEFAULTS = (
     "SAGEMAKER_BIND_TO_PORT",

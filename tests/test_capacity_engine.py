@@ -32,7 +32,7 @@ def test_quick_run_finishes_every_turn_and_accounts_for_its_tokens(tmp_path):
     assert set(result["workloads"]["chat"]) == {"vllm-alone", "ours"}
     for name, c in result["workloads"]["chat"].items():
         p = c["points"]["2"]
-        assert p["turns"] > 0 and p["failed"] == 0 and p["short_answers"] == 0, (name, p)
+        assert p["turns"] > 0 and p["failed"] == 0 and p["short_answers"] == 0, (name, p["errors"], p)
         assert p["ttft_p90"] > 0 and p["itl_p50"] > 0
         # the shared system prompt hits vLLM's own prefix cache; the sources add up
         assert p["l0_tokens"] > 0

@@ -427,6 +427,39 @@ def test_ping_answers_fast_while_the_engine_is_busy(server):
 
 
 @engine
+def test_a_connection_idle_longer_than_uvicorns_default_is_still_open(server):
+    """A client's pool reuses an idle connection; had the server closed it (uvicorn's default
+    keep-alive is 5 s), a request sent as it closes fails with a reset or "Server
+    disconnected" (seen: one turn of a capacity run). A raw socket sees the close itself."""
+    host, port = server.url.split("://", 1)[1].rsplit(":", 1)
+    ping = f"GET /ping HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    def answer(sock: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data  # the server closed the connection
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        while len(body) < length:
+            body += sock.recv(4096)
+        return head
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(ping)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(7)  # idle past uvicorn's 5 s
+        try:
+            sock.sendall(ping)
+            again = answer(sock)
+        except OSError as e:  # reset by a server that closed it
+            again = repr(e).encode()
+        assert again.startswith(b"HTTP/1.1 200"), again
+
+
+@engine
 def test_tgi_shape_with_details(server):
     r = server.post(
         {

@@ -344,6 +344,9 @@ def test_http_defaults(env):
     http = build_serving_config(env, CPU_BOX).http
     assert (http.port, http.max_payload_bytes, http.invocation_timeout_s) == (8080, DEFAULT_PAYLOAD_BYTES, 60)
     assert http.sessions_enabled and http.session_ttl_s == 1200 and http.log_level == "INFO"
+    # above the idle timeouts of clients' connection pools (aiohttp 15 s, load balancers 60 s)
+    assert http.keep_alive_s > 60
+    assert build_serving_config({**env, "SERVING_KEEP_ALIVE_SECONDS": "20"}, CPU_BOX).http.keep_alive_s == 20
 
 
 def test_http_from_sagemaker_variables(env):
@@ -372,6 +375,8 @@ def test_http_from_sagemaker_variables(env):
         ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOUD"),
         ("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "maybe"),
         ("SM_NUM_GPUS", "two"),
+        ("SERVING_KEEP_ALIVE_SECONDS", "0"),
+        ("SERVING_KEEP_ALIVE_SECONDS", "forever"),
     ],
 )
 def test_bad_settings_are_config_errors(env, var, value):
