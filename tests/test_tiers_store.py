@@ -2,6 +2,9 @@
 
 import multiprocessing as mp
 import os
+import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +98,37 @@ class TestFileTier(TierContract):
         assert dict(again.scan()) == {other: 30}
         os.truncate(again.path(other), 0)
         assert again.delete(other) == 30 and again.used_bytes() == 0
+
+    def test_threads_of_one_process_take_turns_on_the_folder_lock(self, tmp_path):
+        """The lock file stays open and its ``flock`` is the open file's, shared by every
+        thread: a second thread must still wait for the first."""
+        t = self.make(tmp_path, 100)
+        done = threading.Event()
+        with t._locked_usage():  # noqa: SLF001 (holding the folder lock is what is tested)
+            threading.Thread(target=lambda: (t.reserve(5), done.set()), daemon=True).start()
+            assert not done.wait(0.3), "a reserve went ahead while another thread held the lock"
+        assert done.wait(10) and t.used_bytes() == 5
+
+    def test_a_forked_child_waits_for_the_lock_its_parent_holds(self, tmp_path):
+        """A child inherits the open lock file; sharing it would share the lock."""
+        t = self.make(tmp_path, 100)
+        with t._locked_usage():  # noqa: SLF001 (holding the folder lock is what is tested)
+            pid = os.fork()
+            if pid == 0:  # the child: reserve, then exit at once (no pytest teardown)
+                os._exit(0 if t.reserve(7) else 1)
+            time.sleep(0.3)
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the child took the lock its parent held"
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0 and t.used_bytes() == 7
+
+    def test_a_folder_removed_behind_its_back_is_started_again_for_everyone(self, tmp_path):
+        """Not an unlinked usage file only this tier still writes: another opener agrees."""
+        t = self.make(tmp_path, 100)
+        assert t.reserve(40, KEY) and t.write(KEY, [b"x" * 40], 40)
+        shutil.rmtree(t.root)
+        other = "cd" * 16
+        assert t.reserve(30, other) and t.write(other, [b"y" * 30], 30)
+        assert t.used_bytes() == 30 and self.make(tmp_path, 100).used_bytes() == 30
 
 
 class TestMmapFileTier(TestFileTier):

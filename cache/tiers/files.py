@@ -15,7 +15,9 @@ A crash leaves at most a temporary file, which ``scan`` removes, and a reservati
 ``scan`` recounts. Damaged files are caught by the entry checksum on read.
 
 Capacity is shared by every process using the folder: ``reserve`` and ``delete`` update
-``ROOT/.usage`` under an exclusive ``flock`` (microseconds), and every step that changes
+``ROOT/.usage`` under an exclusive ``flock`` (microseconds; the lock and usage files stay
+open, so a write costs no ``open`` of them, and the threads of one process take turns on a
+``threading.Lock`` first, since they share the one open lock file), and every step that changes
 what ``scan`` would count (a claim's temporary file appearing, the link into place, an
 unlink) happens under that lock with its ``.usage`` update, so a recount by any process
 at any moment agrees with the counter. An entry's bytes leave the counter as they were
@@ -30,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, cast
@@ -71,10 +74,10 @@ class FileTier(Tier):
         self._counted: dict[str, int] = {}
         self._lock_path = os.path.join(root, LOCK_FILE)
         self._usage_path = os.path.join(root, USAGE_FILE)
-        for p in (self._lock_path, self._usage_path):
-            if not os.path.exists(p):
-                with open(p, "ab"):
-                    pass
+        self._files: Optional[_FolderFiles] = None  # opened at the first use, in each process
+        self._guard, self._guard_pid = threading.Lock(), os.getpid()
+        with self._guard:
+            self._open_files()  # both files exist from now on, for every process of the folder
 
     # -- paths ---------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -82,33 +85,50 @@ class FileTier(Tier):
 
     # -- shared accounting ---------------------------------------------------
     @contextmanager
-    def _locked_usage(self):
-        """Yields a file object on ROOT/.usage with the folder lock held. A folder removed
-        behind our back is started again (empty), rather than failing every call."""
+    def _locked_usage(self) -> Iterator["_FolderFiles"]:
+        """The folder's usage file, with the folder lock held. A folder removed behind our
+        back is started again (empty), rather than failing every call."""
+        if self._guard_pid != os.getpid():  # a forked child: the parent's threads are not here
+            self._guard, self._guard_pid = threading.Lock(), os.getpid()
+        with self._guard:
+            files = self._open_files()
+            fcntl.flock(files.lock, fcntl.LOCK_EX)
+            try:
+                yield files
+            finally:
+                fcntl.flock(files.lock, fcntl.LOCK_UN)
+
+    def _open_files(self) -> "_FolderFiles":
+        """The open lock and usage files (under ``_guard``): opened again in a forked child
+        (an inherited lock file would be the parent's lock too) or once either was unlinked
+        (the folder removed: a lock nobody else opens would exclude nobody)."""
+        files = self._files
+        if files is not None:
+            if files.pid == os.getpid() and files.linked():
+                return files
+            self._files = None
+            files.close()
         try:
-            lock = open(self._lock_path, "ab")
+            self._files = _FolderFiles.open(self._lock_path, self._usage_path)
         except FileNotFoundError:
             os.makedirs(self.folder, exist_ok=True)
-            lock = open(self._lock_path, "ab")
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                with open(os.open(self._usage_path, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as usage:
-                    yield usage
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+            self._files = _FolderFiles.open(self._lock_path, self._usage_path)
+        return self._files
+
+    def close(self) -> None:
+        """Close the lock and usage files (a later call opens them again)."""
+        with self._guard:
+            files, self._files = self._files, None
+        if files is not None:
+            files.close()
 
     @staticmethod
-    def _get(usage) -> int:
-        usage.seek(0)
-        raw = usage.read(USAGE.size)
-        return USAGE.unpack(raw)[0] if len(raw) == USAGE.size else 0
+    def _get(usage: "_FolderFiles") -> int:
+        return usage.get()
 
     @staticmethod
-    def _put(usage, value: int) -> None:
-        usage.seek(0)
-        usage.write(USAGE.pack(max(0, value)))
-        usage.flush()
+    def _put(usage: "_FolderFiles", value: int) -> None:
+        usage.set(value)
 
     def reserve(self, nbytes: int, key: Optional[str] = None) -> bool:
         """With ``key``, the claim is also a temporary file named after it, created under
@@ -294,6 +314,50 @@ class FileTier(Tier):
             except FileNotFoundError:
                 return False
         return True
+
+
+class _FolderFiles:
+    """A folder's ``.lock`` and ``.usage``, open for as long as the tier: the descriptors
+    and the process that opened them."""
+
+    def __init__(self, lock: int, usage: int) -> None:
+        self.lock, self.usage, self.pid = lock, usage, os.getpid()
+
+    @classmethod
+    def open(cls, lock_path: str, usage_path: str) -> "_FolderFiles":
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            return cls(lock, os.open(usage_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        except BaseException:
+            os.close(lock)
+            raise
+
+    def linked(self) -> bool:
+        """Whether both files are still in the folder (not unlinked meanwhile)."""
+        try:
+            return os.fstat(self.lock).st_nlink > 0 and os.fstat(self.usage).st_nlink > 0
+        except OSError:
+            return False
+
+    def get(self) -> int:
+        raw = os.pread(self.usage, USAGE.size, 0)
+        return USAGE.unpack(raw)[0] if len(raw) == USAGE.size else 0
+
+    def set(self, value: int) -> None:
+        os.pwrite(self.usage, USAGE.pack(max(0, value)), 0)
+
+    def close(self) -> None:
+        """Close both (in a forked child, its copies only: the parent's stay open, and a
+        lock the parent holds stays held). Also when the tier is garbage-collected."""
+        fds, self.lock, self.usage = (self.lock, self.usage), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    __del__ = close
 
 
 def is_debris(name: str, mtime: float) -> bool:
