@@ -385,6 +385,10 @@ def server(tmp_path_factory, model_path):
             # _while_draining tells apart from a server that stops early); its long requests ask
             # for 16,000 tokens, far more than 12 s of decoding here (~100-200 tokens/s).
             "SERVING_DRAIN_SECONDS": str(DRAIN_SECONDS),
+            # ... and its non-streamed long request must still be running at the drain deadline:
+            # on a stalled machine it was once sent 67 s before it (the first tokens of the other
+            # requests came 36 s apart) and the 60 s request timeout answered 504 first.
+            "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600",
             "SM_VLLM_MAX_MODEL_LEN": "16384",
             # The tiny test model computes a prompt about as fast as it loads, so the cost
             # model may rightly recompute; these tests are about what the tiers serve.
