@@ -15,8 +15,9 @@ Every configuration's line comes with the CPU its server's processes and threads
 ``--timings DIR`` runs ours with ``bench.timed_connector`` and prints its engine steps
 grouped by what they carried (``bench.step_timings``). ``ours-l0-limit`` (ours with the
 limit's L0: nothing to load) splits ours' gap to the limit into what saving costs and what
-loading costs; ``ours-off``, ``ours-nosave`` and ``ours-copyonly`` (``bench.off_connector``:
-the cache off, no save, saves copied then dropped; the limit's L0) split that further.
+loading costs; ``ours-off``, ``ours-nosave``, ``ours-copyonly`` and ``ours-nocopydown``
+(``bench.off_connector``: the cache off, no save, saves copied then dropped, saves written
+but nothing copied down to disk; the limit's L0) split that further.
 
 ``--profile DIR`` also samples every thread's Python stack in every server process
 (``bench.stack_sampler``: py-spy cannot attach on this machine) and prints, per
@@ -58,8 +59,9 @@ UNLIMITED = "ours-l0-limit"
 # Ours with parts switched off (bench.off_connector; KVBENCH_CONNECTOR of bench.timed_server),
 # the limit's L0: "ours-off" the connector configured with the cache off (its gap to the limit
 # is what vLLM's connector plumbing costs), "ours-nosave" no save copied or written,
-# "ours-copyonly" each save copied on the forward thread, then dropped.
-ABLATED = {"ours-off": "off", "ours-nosave": "nosave", "ours-copyonly": "copyonly"}
+# "ours-copyonly" each save copied on the forward thread, then dropped, "ours-nocopydown"
+# saves written but nothing copied down to disk.
+ABLATED = {"ours-off": "off", "ours-nosave": "nosave", "ours-copyonly": "copyonly", "ours-nocopydown": "nocopydown"}
 
 
 async def run_users(url: str, model: str, wl, users: int, duration: float, salt: str) -> list[dict]:

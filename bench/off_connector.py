@@ -17,6 +17,9 @@ processes like the real connector; ``bench.timed_server`` swaps one in
 - ``CopyOnlyTieredKVConnector`` (``ours-copyonly``): each save's blocks are copied to
   staging on the forward thread, as ours does, then settled without a write: the copy's
   share apart from the writer thread's.
+- ``NoCopyDownTieredKVConnector`` (``ours-nocopydown``): ours, saves written, but chunks
+  found stored are not copied down to disk (``TieredStore.persist``, durability): the
+  writer thread's share that is copies, apart from new entries.
 
 Not part of the product: entries are never written, so nothing saved is ever found.
 """
@@ -60,6 +63,15 @@ class CopyOnlyTieredKVConnector(TieredKVConnector):
         super().register_kv_caches(kv_caches)
         if isinstance(self.worker_side, WorkerSide):
             self.worker_side.store.put = _settled_at_once
+
+
+class NoCopyDownTieredKVConnector(TieredKVConnector):
+    """Ours, but what requests find stored is not queued to be copied down to disk."""
+
+    def register_kv_caches(self, kv_caches) -> None:
+        super().register_kv_caches(kv_caches)
+        if isinstance(self.worker_side, WorkerSide):
+            self.worker_side.store.persist = lambda keys: None
 
 
 def _settled_at_once(key, parent, dtype, shape, payload, shared=False, on_done=None, ready=None, borrowed=False):

@@ -1,12 +1,12 @@
 """``python -m bench.timed_server``: ``python -m serving`` with a bench connector in place of
 ours: ``bench.timed_connector`` (its timings appended to ``$KVBENCH_TIMING_LOG``, JSON
-lines), or with ``KVBENCH_CONNECTOR=off``, ``nosave`` or ``copyonly`` one of
+lines), or with ``KVBENCH_CONNECTOR=off``, ``nosave``, ``copyonly`` or ``nocopydown`` one of
 ``bench.off_connector``'s (ours with parts switched off).
 
 Runs as the server's main process, like ``python -m serving``; only the connector class in
 vLLM's ``--kv-transfer-config`` differs (the subclass), so every process vLLM starts
 loads it. Used by ``bench.low_load`` (``--timings``; configurations ``ours-off``,
-``ours-nosave``, ``ours-copyonly``); not part of the product.
+``ours-nosave``, ``ours-copyonly``, ``ours-nocopydown``); not part of the product.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ CONNECTORS = {
     "off": ("OffTieredKVConnector", "bench.off_connector"),
     "nosave": ("NoSaveTieredKVConnector", "bench.off_connector"),
     "copyonly": ("CopyOnlyTieredKVConnector", "bench.off_connector"),
+    "nocopydown": ("NoCopyDownTieredKVConnector", "bench.off_connector"),
 }
 
 

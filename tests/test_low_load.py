@@ -22,7 +22,7 @@ def test_the_limit_gets_the_limit_l0_and_every_other_configuration_the_small_one
 
 
 def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_path: Path):
-    """``ours-off``, ``ours-nosave``, ``ours-copyonly``: the limit's L0 (so their gaps to the
+    """``ours-off``, ``ours-nosave``, ``ours-copyonly``, ``ours-nocopydown``: the limit's L0 (so their gaps to the
     limit are not the loads'), ours' tier settings, and a connector class of
     ``bench.off_connector`` that exists and is ours with parts switched off."""
     import importlib
@@ -32,7 +32,7 @@ def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_p
 
     args = Namespace(l0_tokens=32768, limit_tokens=524288)
     limit = low_load.config_env("limit", args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"]
-    assert set(low_load.ABLATED) == {"ours-off", "ours-nosave", "ours-copyonly"}
+    assert set(low_load.ABLATED) == {"ours-off", "ours-nosave", "ours-copyonly", "ours-nocopydown"}
     for config, which in low_load.ABLATED.items():
         env = low_load.config_env(config, args, tmp_path)
         assert env["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"] == limit and env["KVCACHE_DRAM_SIZE"] == "2GiB"
