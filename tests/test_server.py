@@ -244,7 +244,11 @@ def test_a_dead_engine_answers_in_flight_requests_503_and_the_server_exits_1(tmp
     are in flight: each is answered with the JSON 503 (a stream's last event before
     ``[DONE]``; TGI's last event), and the server exits 1 by itself (SageMaker and
     Kubernetes replace it) instead of answering ``503 engine dead`` for ever."""
-    srv = start_server(tmp_path, model_path, {"SM_VLLM_MAX_MODEL_LEN": "16384"})
+    # The plain request must still be in flight when the three are: on a slow machine the
+    # streams' first events once took over 60 s and the request timeout answered it 504 first.
+    srv = start_server(
+        tmp_path, model_path, {"SM_VLLM_MAX_MODEL_LEN": "16384", "SAGEMAKER_MODEL_SERVER_TIMEOUT": "600"}
+    )
     result: dict = {}
     long = {"max_tokens": 16000, "ignore_eos": True}
 
