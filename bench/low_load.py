@@ -289,6 +289,7 @@ def main(argv=None) -> int:
                 print(profile_summary(c, res["samples"], turns), flush=True)
             if steps is not None:
                 print(f"{c}: vLLM's step calls", *vllm_steps.summarize(str(steps), turns, *res["window"]), sep="\n")
+                print(f"{c}: the forward pass by step size", *vllm_steps.by_size(str(steps), *res["window"]), sep="\n")
             if log is not None and log.exists():
                 print("\n".join(step_timings.lines(c, step_timings.summarize(step_timings.read_steps(log), turns))))
         sums = {c: summary(got[c]) for c in configs}

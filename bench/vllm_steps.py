@@ -11,7 +11,9 @@ Started by the ``sitecustomize`` that ``shim`` writes (first on ``PYTHONPATH``,
 ``KVBENCH_VSTEPS`` set): a daemon thread waits for each
 module to be imported, wraps the methods (looked up on the class at every call, so
 wrapping after the objects exist works), and appends ``{"p": process, "f": method,
-"t": start, "ms": duration}`` lines to ``$KVBENCH_VSTEPS`` every second.
+"t": start, "ms": duration}`` lines to ``$KVBENCH_VSTEPS`` every second; an
+``execute_model`` line also has ``"tok"`` and ``"n"``, the tokens and requests the step
+carried, so that configurations compare per token (``by_size``), not only per step.
 """
 
 from __future__ import annotations
@@ -66,14 +68,20 @@ def start(path: str, wait_s: float = 600.0) -> None:
         if fn is None or getattr(fn, "kvbench_timed", False):
             return
 
+        sized = name == "execute_model"
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                r = {"f": name, "t": t, "ms": (time.perf_counter() - t) * 1e3}
+                if sized and len(args) > 1:  # what the step carried: tokens and requests scheduled
+                    r["tok"] = getattr(args[1], "total_num_scheduled_tokens", None)
+                    r["n"] = len(getattr(args[1], "num_scheduled_tokens", None) or ())
                 with lock:
-                    records.append({"f": name, "t": t, "ms": (time.perf_counter() - t) * 1e3})
+                    records.append(r)
 
         timed.kvbench_timed = True  # type: ignore[attr-defined]
         setattr(cls, name, timed)
@@ -152,4 +160,49 @@ def summarize(path: str, turns: int, since: float = 0.0, until: float = float("i
             f"  {proc[:15]:15s} {fn:22s} {len(ms):6d} calls  p50/p90 {ms[len(ms) // 2]:6.2f} / "
             f"{ms[int(len(ms) * 0.9)]:6.2f} ms  {sum(ms) / max(1, turns):7.1f} ms/turn"
         )
+    return rows
+
+
+# execute_model steps grouped by the tokens they carried: decode-only steps of a few
+# requests, mixed ones, and steps carrying a long prefill
+SIZES = ((1, 8), (9, 32), (33, 128), (129, 512), (513, 1 << 30))
+
+
+def by_size(path: str, since: float = 0.0, until: float = float("inf")) -> list[str]:
+    """The worker's ``execute_model`` steps begun between ``since`` and ``until``, grouped by
+    the tokens they carried: per group steps, tokens, p50/p90 ms and ms per token; and a
+    least-squares line ``ms = a + b * tokens`` over all steps. Two configurations whose
+    steps take the same time at the same size differ in what they batch, not in how fast
+    the forward pass runs; a larger ``a`` or ``b`` at the same sizes is a slower forward."""
+    steps = []
+    try:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if r["f"] == "execute_model" and r.get("tok") and since <= r["t"] <= until:
+                    steps.append((r["tok"], r["ms"], r.get("n", 0)))
+    except FileNotFoundError:
+        return ["(no step timings)"]
+    if not steps:
+        return ["(no execute_model steps with token counts)"]
+    rows = []
+    for lo, hi in SIZES:
+        mine = sorted((ms, tok, n) for tok, ms, n in steps if lo <= tok <= hi)
+        if not mine:
+            continue
+        toks = sum(t for _, t, _ in mine)
+        rows.append(
+            f"  {lo:4d}-{min(hi, 99999):<5d} tokens {len(mine):6d} steps {toks:8d} tokens "
+            f"({sum(n for *_, n in mine) / len(mine):4.1f} requests)  p50/p90 {mine[len(mine) // 2][0]:6.2f} / "
+            f"{mine[int(len(mine) * 0.9)][0]:6.2f} ms  {sum(m for m, *_ in mine) / toks:6.3f} ms/token"
+        )
+    n = len(steps)
+    mx = sum(t for t, *_ in steps) / n
+    my = sum(m for _, m, _ in steps) / n
+    var = sum((t - mx) ** 2 for t, *_ in steps)
+    b = sum((t - mx) * (m - my) for t, m, _ in steps) / var if var else 0.0
+    rows.append(
+        f"  all {n} steps, {mx:.1f} tokens per step: ms = {my - b * mx:.3f} + {b * 1e3:.2f} us x tokens "
+        f"({sum(m for _, m, _ in steps):.0f} ms in all)"
+    )
     return rows

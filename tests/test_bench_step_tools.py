@@ -122,6 +122,47 @@ def test_vllm_step_calls_are_timed_once_their_module_is_imported(tmp_path, monke
     assert vllm_steps.summarize(str(log), turns=3, since=time.perf_counter() + 1) == []  # outside the window
 
 
+def test_a_forward_step_is_logged_with_what_it_carried_and_compared_per_token(tmp_path, monkeypatch):
+    """``execute_model`` lines carry the step's scheduled tokens and requests, and
+    ``by_size`` groups the steps by tokens and fits ``ms = a + b x tokens``: two runs whose
+    steps differ only in size give the same line."""
+    import types
+
+    from bench import vllm_steps
+
+    class Worker:
+        def execute_model(self, scheduler_output):
+            return scheduler_output.total_num_scheduled_tokens
+
+    fake = types.ModuleType("kvbench_fake_worker2")
+    monkeypatch.setattr(vllm_steps, "TARGETS", {"kvbench_fake_worker2": ("Worker", ("execute_model",))})
+    log = tmp_path / "steps.jsonl"
+    vllm_steps.start(str(log), wait_s=10)
+    fake.Worker = Worker
+    monkeypatch.setitem(sys.modules, "kvbench_fake_worker2", fake)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not getattr(Worker.execute_model, "kvbench_timed", False):
+        time.sleep(0.05)
+    out = types.SimpleNamespace(total_num_scheduled_tokens=40, num_scheduled_tokens={"a": 1, "b": 39})
+    assert Worker().execute_model(out) == 40
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not log.exists():
+        time.sleep(0.1)
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert (line["f"], line["tok"], line["n"]) == ("execute_model", 40, 2)
+
+    made = tmp_path / "made.jsonl"  # steps of 1 ms + 10 us per token
+    with open(made, "w") as f:
+        for i, tok in enumerate([1, 4, 20, 100, 300, 1000] * 3):
+            f.write(json.dumps({"p": "w", "f": "execute_model", "t": i, "ms": 1 + 0.01 * tok, "tok": tok, "n": 2}) + "\n")
+        f.write(json.dumps({"p": "w", "f": "sample_tokens", "t": 0, "ms": 50.0}) + "\n")  # not a forward step
+    rows = vllm_steps.by_size(str(made))
+    assert len(rows) == 6 and "1-8 " in rows[0] and "513-" in rows[4], rows
+    assert "ms = 1.000 + 10.00 us x tokens" in rows[-1], rows
+    assert "all 18 steps" in rows[-1]
+    assert vllm_steps.by_size(str(made), since=100) == ["(no execute_model steps with token counts)"]
+
+
 def test_the_collectors_pauses_are_timed_per_generation(tmp_path):
     """``bench.vllm_steps`` also logs garbage-collector pauses (``gc0``..``gc2``): a process
     that collects shows them, with their durations."""
