@@ -270,6 +270,7 @@ def main(argv=None) -> int:
     print(f"host: {machine}", flush=True)
     salt = f"{time.time_ns():x}"
     pooled: dict[str, list] = {c: [] for c in configs}
+    forward: dict[str, list] = {c: [] for c in configs}  # execute_model steps, with --steps
     rounds = []
     for r in range(args.rounds):
         order = configs if r % 2 == 0 else configs[::-1]
@@ -289,7 +290,9 @@ def main(argv=None) -> int:
                 print(profile_summary(c, res["samples"], turns), flush=True)
             if steps is not None:
                 print(f"{c}: vLLM's step calls", *vllm_steps.summarize(str(steps), turns, *res["window"]), sep="\n")
-                print(f"{c}: the forward pass by step size", *vllm_steps.by_size(str(steps), *res["window"]), sep="\n")
+                mine = vllm_steps.forward_steps(str(steps), *res["window"])
+                forward[c] += mine
+                print(f"{c}: the forward pass by step size", *vllm_steps.by_size(mine), sep="\n")
             if log is not None and log.exists():
                 print("\n".join(step_timings.lines(c, step_timings.summarize(step_timings.read_steps(log), turns))))
         sums = {c: summary(got[c]) for c in configs}
@@ -301,6 +304,9 @@ def main(argv=None) -> int:
     print(f"pooled over {args.rounds} rounds:")
     for c in configs:
         print("  " + line(c, total[c], total[configs[0]] if c != configs[0] else None))
+    if args.steps:
+        for c in configs:
+            print(f"{c}: the forward pass by step size, pooled", *vllm_steps.by_size(forward[c]), sep="\n")
     if args.json:
         args.json.write_text(
             json.dumps(

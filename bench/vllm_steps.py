@@ -168,12 +168,9 @@ def summarize(path: str, turns: int, since: float = 0.0, until: float = float("i
 SIZES = ((1, 8), (9, 32), (33, 128), (129, 512), (513, 1 << 30))
 
 
-def by_size(path: str, since: float = 0.0, until: float = float("inf")) -> list[str]:
-    """The worker's ``execute_model`` steps begun between ``since`` and ``until``, grouped by
-    the tokens they carried: per group steps, tokens, p50/p90 ms and ms per token; and a
-    least-squares line ``ms = a + b * tokens`` over all steps. Two configurations whose
-    steps take the same time at the same size differ in what they batch, not in how fast
-    the forward pass runs; a larger ``a`` or ``b`` at the same sizes is a slower forward."""
+def forward_steps(path: str, since: float = 0.0, until: float = float("inf")) -> list[tuple[int, float, int]]:
+    """The worker's ``execute_model`` steps begun between ``since`` and ``until``, as
+    (tokens, ms, requests); empty when the log is missing or has no token counts."""
     steps = []
     try:
         with open(path) as f:
@@ -182,7 +179,16 @@ def by_size(path: str, since: float = 0.0, until: float = float("inf")) -> list[
                 if r["f"] == "execute_model" and r.get("tok") and since <= r["t"] <= until:
                     steps.append((r["tok"], r["ms"], r.get("n", 0)))
     except FileNotFoundError:
-        return ["(no step timings)"]
+        pass
+    return steps
+
+
+def by_size(steps: list[tuple[int, float, int]]) -> list[str]:
+    """Forward steps (``forward_steps``, of one run or pooled) grouped by the tokens they
+    carried: per group steps, tokens, p50/p90 ms and ms per token; and a least-squares line
+    ``ms = a + b * tokens`` over all steps. Two configurations whose steps take the same
+    time at the same size differ in what they batch, not in how fast the forward pass
+    runs; a larger ``a`` or ``b`` at the same sizes is a slower forward."""
     if not steps:
         return ["(no execute_model steps with token counts)"]
     rows = []
