@@ -154,13 +154,17 @@ def test_a_forward_step_is_logged_with_what_it_carried_and_compared_per_token(tm
     made = tmp_path / "made.jsonl"  # steps of 1 ms + 10 us per token
     with open(made, "w") as f:
         for i, tok in enumerate([1, 4, 20, 100, 300, 1000] * 3):
-            f.write(json.dumps({"p": "w", "f": "execute_model", "t": i, "ms": 1 + 0.01 * tok, "tok": tok, "n": 2}) + "\n")
+            f.write(
+                json.dumps({"p": "w", "f": "execute_model", "t": i, "ms": 1 + 0.01 * tok, "tok": tok, "n": 2}) + "\n"
+            )
         f.write(json.dumps({"p": "w", "f": "sample_tokens", "t": 0, "ms": 50.0}) + "\n")  # not a forward step
     rows = vllm_steps.by_size(vllm_steps.forward_steps(str(made)))
     assert len(rows) == 6 and "1-8 " in rows[0] and "513-" in rows[4], rows
     assert "ms = 1.000 + 10.00 us x tokens" in rows[-1], rows
     assert "all 18 steps" in rows[-1]
-    assert vllm_steps.by_size(vllm_steps.forward_steps(str(made), since=100)) == ["(no execute_model steps with token counts)"]
+    assert vllm_steps.by_size(vllm_steps.forward_steps(str(made), since=100)) == [
+        "(no execute_model steps with token counts)"
+    ]
 
 
 def test_the_collectors_pauses_are_timed_per_generation(tmp_path):
