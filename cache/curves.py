@@ -183,7 +183,7 @@ class Curves:
 
     def observe(self, chunks: Sequence) -> None:
         """One request's chunks in prompt order (objects with ``key``, ``start``, ``end``:
-        ``cache.vllm.scheduler.Chunk``)."""
+        ``cache.vllm.request_state.Chunk``)."""
         if not self.tiers or not chunks:
             return
         fps = [chunk_fingerprint(c.key) for c in chunks]

@@ -154,6 +154,9 @@ class Lookup:
     recompute_from: Optional[int] = None  # first chunk chosen to recompute
     seen: int = 0  # SERVED events received before this lookup
     moved: bool = False  # a chunk was served by another tier than found
+    # (key, end, tier) of an earlier prompt's tail the hit goes on into, at the place of
+    # the first chunk not found (cache.vllm.tails): it serves that chunk up to ``end``
+    partial: Optional[tuple[str, int, str]] = None
 
 
 class Explainer:
@@ -245,7 +248,10 @@ class Explainer:
         if look is not None and look.failed is None:
             look.failed = key
             i = next((i for i, c in enumerate(look.chunks) if c[0] == key), len(look.found))
-            look.failure = self._failure(key, look.found[i] if i < len(look.found) else NO_TIER)
+            planned = look.found[i] if i < len(look.found) else NO_TIER
+            if look.partial is not None and key == look.partial[0]:
+                planned = look.partial[2]
+            look.failure = self._failure(key, planned)
 
     @staticmethod
     def chose_recompute(look: Optional[Lookup], chunk_index: int) -> None:
@@ -286,6 +292,17 @@ class Explainer:
             elif i < len(look.found):  # its load failed, or an earlier one did
                 add(start, end, *(look.failure if i == failed_at else ("after_miss", NO_TIER)), False)
             else:
+                if i == len(look.found) and look.partial is not None:  # an earlier prompt's tail
+                    key, tail_end, tier = look.partial
+                    if look.failed == key:
+                        add(start, tail_end, *look.failure, False)
+                    elif look.failed is not None:
+                        add(start, tail_end, "after_miss", NO_TIER, False)
+                    elif look.recompute_from is not None:
+                        add(start, tail_end, "recompute", NO_TIER, False)
+                    else:
+                        add(start, tail_end, self._served_by(look, key, tier), NO_TIER, True)
+                    start = max(start, tail_end)
                 add(start, end, *look.misses[i - len(look.found)], False)
         self._remember(look)
         out = []
@@ -303,9 +320,12 @@ class Explainer:
     def _source(self, look: Lookup, i: int) -> str:
         """The tier chunk ``i``'s load came from: the one its lookup found, unless a worker
         said since that another served it."""
-        served = self.served.get(look.chunks[i][0])
-        if served is None or served[0] <= look.seen or served[1] == look.found[i]:
-            return look.found[i]
+        return self._served_by(look, look.chunks[i][0], look.found[i])
+
+    def _served_by(self, look: Lookup, key: str, found: str) -> str:
+        served = self.served.get(key)
+        if served is None or served[0] <= look.seen or served[1] == found:
+            return found
         look.moved = True
         return served[1]
 

@@ -85,19 +85,35 @@ def chunk_keys(
     n_full = len(tokens) // chunk_tokens
     if tail_tokens and n_full * chunk_tokens + tail_tokens > len(tokens):
         raise ValueError("tail_tokens reaches past the end of tokens")
-    prev = hashlib.blake2b(
-        salt.encode(), digest_size=DIGEST_BYTES, key=namespace_digest, person=b"kvcache-root"
-    ).digest()
+    prev = _root(namespace_digest, salt)
     keys = []
     bounds = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(n_full)]
     if tail_tokens:
         bounds.append((n_full * chunk_tokens, n_full * chunk_tokens + tail_tokens))
     for start, end in bounds:
-        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES, key=namespace_digest)
-        h.update(_token_bytes(tokens[start:end]))
-        prev = h.digest()
+        prev = _link(namespace_digest, prev, tokens[start:end])
         keys.append(prev.hex())
     return keys
+
+
+def _root(namespace_digest: bytes, salt: str) -> bytes:
+    return hashlib.blake2b(
+        salt.encode(), digest_size=DIGEST_BYTES, key=namespace_digest, person=b"kvcache-root"
+    ).digest()
+
+
+def _link(namespace_digest: bytes, prev: bytes, tokens: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES, key=namespace_digest)
+    h.update(_token_bytes(tokens))
+    return h.digest()
+
+
+def next_key(namespace_digest: bytes, parent: Optional[str], tokens: Sequence[int], salt: str = "") -> str:
+    """The key of a chunk holding ``tokens`` that follows chunk ``parent`` (None: the first
+    chunk) in its chain, as ``chunk_keys`` keys it: how a lookup names a stored tail chunk
+    that an earlier, shorter prompt ended with (``cache.vllm.tails``)."""
+    prev = bytes.fromhex(parent) if parent else _root(namespace_digest, salt)
+    return _link(namespace_digest, prev, tokens).hex()
 
 
 def prompt_chunks(

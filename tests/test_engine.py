@@ -37,6 +37,8 @@ PS = tokens(6, 700)  # sent with cache_salt "tenantA" by one engine
 PA = tokens(5, 1409)  # n - 1 on a block boundary: tier and L0 hits compute alike
 PL = tokens(7, 612)  # two whole chunks and a tail
 PM = PL[:512] + tokens(8, 100)  # PL's two chunks and 100 new tokens: a partial hit
+PT = tokens(9, 700)  # two whole chunks and a 188-token tail
+PT2 = PT + tokens(10, 333)  # the next turn: PT and more
 HIT_P1 = 1500 - 1  # a tier hit loads all but the last token
 L0_P1 = (1500 - 1) // BLOCK * BLOCK  # 1408: vLLM's own prefix cache holds whole blocks
 
@@ -194,6 +196,34 @@ def test_partial_hit_and_short_prompts(one_engine):
 def test_tier_bounds_hold(one_engine, tmp):
     assert 0 < folder_bytes(tmp / "shm-a") <= 2 * 2**20
     assert 0 < folder_bytes(tmp / "disk-a") <= 256 * 2**20
+
+
+@pytest.fixture(scope="module")
+def continued_engine(model_path, tmp):
+    """A prompt, then the next turn of its conversation once vLLM's prefix cache dropped
+    it, then that turn recomputed (nothing loaded, nothing saved)."""
+    spec = {
+        "model": model_path,
+        "cache": exact_spec(tmp, "continued"),
+        "steps": [
+            {"prompt_token_ids": PT},
+            {"sleep": 1.0},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": PT2},
+            {"reset_prefix_cache": True},
+            {"prompt_token_ids": PT2, "kv_transfer_params": {"kvcache_load": False, "kvcache_save": False}},
+        ],
+    }
+    return run_engine(spec)
+
+
+def test_the_next_turn_loads_the_last_prompt_whole_its_tail_too(continued_engine):
+    """PT2 repeats PT and goes on: it loads PT's two whole chunks and PT's 188-token tail
+    (``cache.vllm.tails``), not only the chunks, and answers as its recompute does."""
+    _first, hit, recomputed = continued_engine
+    assert hit["loaded"] == {"dram": len(PT)} and hit["num_cached_tokens"] == len(PT)
+    assert recomputed["loaded"] == {} and recomputed["num_cached_tokens"] == 0
+    assert close_logprobs(hit, recomputed)
 
 
 @pytest.fixture(scope="module")

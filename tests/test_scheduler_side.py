@@ -145,6 +145,52 @@ def test_miss_save_then_hit_and_partial_hit(setup):
     assert side.get_num_new_matched_tokens(other, 0) == (512, False)  # the whole chunks it shares
 
 
+def test_a_longer_prompt_continues_from_the_tail_an_earlier_one_saved(setup):
+    """The next turn of a conversation (the last prompt and more) loads the last prompt
+    whole, its tail too (``cache.vllm.tails``), not only its whole chunks; the rest of
+    that chunk is computed and then saved whole, under the chunk's own key."""
+    side, writer = setup
+    first = request("a", 1500)  # five whole chunks and a 220-token tail
+    side.get_num_new_matched_tokens(first, 0)
+    store_saves(writer, side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 1500})))
+    side.request_finished(first)
+
+    turn = request("b", 1900, seed=7)
+    turn.prompt_token_ids = first.prompt_token_ids + turn.prompt_token_ids[1500:]
+    assert side.get_num_new_matched_tokens(turn, 0) == (1500, False)  # not 1280
+    side.update_state_after_alloc(turn, Blocks(list(range(15))), 1500)
+    meta = side.build_connector_meta(output(new=[("b", 1500)], scheduled={"b": 400}))
+    (load,) = meta.loads
+    assert load.chunks[-1].key == state(side, first).chunks[-1].key  # the tail's own entry
+    assert load.chunks[-1].block_ids == [10, 11]  # [1280, 1500): block 11 partly
+    assert load.compute_tokens == 400
+    assert [c.key for c in meta.saves] == [c.key for c in side.requests["b"].chunks[5:]]  # own keys
+    explained = side.explain_finished(turn)
+    assert explained[0] == {"tokens": [0, 1500], "from": "dram"} and explained[1]["tokens"] == [1500, 1899]
+    assert side.request_finished(turn) == {"dram": 1500}
+    # the tail's load fails: the explanation says so of the tail's tokens, and loaded counts only the rest
+    side.saves_settled([c.key for c in meta.saves])  # (refused: not stored)
+    again = request("e", 1900)
+    again.prompt_token_ids = turn.prompt_token_ids
+    assert side.get_num_new_matched_tokens(again, 0) == (1500, False)
+    side.update_state_after_alloc(again, Blocks(list(range(15))), 1500)
+    side.build_connector_meta(output())
+    side.loads_failed({11})
+    explained = side.explain_finished(again)
+    assert explained[0] == {"tokens": [0, 1280], "from": "dram"}
+    assert explained[1]["tokens"] == [1280, 1500] and "computed" in explained[1], explained
+    assert side.request_finished(again) == {"dram": 1280}
+
+    # a prompt that repeats the tail's first tokens but not all of it: the candidate misses
+    other = request("c", 1900, seed=8)
+    other.prompt_token_ids = first.prompt_token_ids[:1400] + other.prompt_token_ids[1400:]
+    assert side.get_num_new_matched_tokens(other, 0) == (1280, False)
+    # another salt's prompt with the same tokens: its keys differ, nothing found
+    salted = request("d", 1900, seed=7)
+    salted.prompt_token_ids, salted.cache_salt = turn.prompt_token_ids, "tenant-b"
+    assert side.get_num_new_matched_tokens(salted, 0) == (0, False)
+
+
 def test_disk_only_hits_load_asynchronously(setup):
     side, writer = setup
     req = request("a", 700)

@@ -6,7 +6,7 @@ tier's memory); no payload is read. The arithmetic of what a hit needs of each e
 is in ``cache.vllm.groups``; a model with one full-attention group has one kind, whose
 entries are the chunks themselves, so it finds and loads exactly what it always did.
 
-``chunks`` are the request's ``scheduler.Chunk`` objects (``key``, ``start``, ``end``,
+``chunks`` are the request's ``request_state.Chunk`` objects (``key``, ``start``, ``end``,
 ``keys``: one entry key per kind).
 """
 
@@ -71,6 +71,16 @@ def find_hit(
     if layout.hybrid:
         full_tiers = full_tiers[: plan.chunks if plan is not None else 0]
     return plan, missing, full_tiers
+
+
+def full_hit(layout: GroupLayout, chunks: Sequence, n_tokens: int, computed: int, tiers: Sequence[TierId]) -> HitPlan:
+    """The hit of a full-attention model whose ``chunks`` every rank holds, in ``tiers``
+    (the scheduler's, when it goes on into an earlier prompt's tail: ``cache.vllm.tails``)."""
+    assert not layout.windows and chunks and chunks[-1].end > computed
+    bounds = [(c.start, c.end) for c in chunks]
+    plan = plan_hit(layout, bounds, n_tokens, computed, len(chunks), lambda kind, i: None, tiers)
+    assert plan is not None
+    return plan
 
 
 def plan_loads(

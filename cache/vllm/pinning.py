@@ -65,7 +65,7 @@ class Pinner:
 
     def offer(self, request: "Request", chunks: Sequence, n_tokens: int) -> None:
         """Pin the prefix ``request`` asks for, once per request. ``chunks`` have
-        ``keys``, ``start`` and ``end`` (``cache.vllm.scheduler.Chunk``)."""
+        ``keys``, ``start`` and ``end`` (``cache.vllm.request_state.Chunk``)."""
         req_id = request.request_id
         if req_id in self._results:
             return

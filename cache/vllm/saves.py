@@ -23,10 +23,11 @@ from cache.vllm.groups import GroupLayout, null_block
 from cache.vllm.hits import entry
 from cache.vllm.metadata import ChunkIO
 from cache.vllm.pinning import Pinner
+from cache.vllm.tails import TailIndex
 
 if TYPE_CHECKING:
     from cache.store.tiered import TieredStore
-    from cache.vllm.scheduler import RequestState
+    from cache.vllm.request_state import RequestState
 
 # Longest a request waits for a chunk sent to be saved (write-behind) to land.
 SAVE_WAIT_MAX_S = 2.0
@@ -44,10 +45,13 @@ class Saves:
         kv_manager: Callable[[], Any],
         block_size: int,
         pinner: Optional[Pinner] = None,
+        tails: Optional[TailIndex] = None,
     ) -> None:
         """``views``: one lookup-only store per worker rank; ``kv_manager()``: vLLM's KV
-        cache manager (block ids of a request)."""
+        cache manager (block ids of a request); ``tails``: notes each tail chunk saved
+        (or already stored), for longer prompts to continue from (``cache.vllm.tails``)."""
         self.layout, self.views, self.block_size, self.pinner = layout, views, block_size, pinner
+        self.tails = tails
         self._kv_manager = kv_manager
         # Saves sent to workers and not yet settled: key -> [ranks left, when to forget
         # it], in the order sent (so those times ascend).
@@ -93,6 +97,8 @@ class Saves:
             i = st.next_save
             c = st.chunks[i]
             st.next_save += 1
+            if self.tails is not None and i == len(st.chunks) - 1:
+                self.tails.note(st.chunks[i - 1].key if i else None, st.request.prompt_token_ids[c.start : c.end])
             for k, kind in enumerate(self.layout.kinds):
                 if not kind.full and i not in st.window_saves.get(k, ()):
                     continue  # no checkpoint needs this chunk's window

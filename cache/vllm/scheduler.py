@@ -23,7 +23,8 @@ Chunk boundaries. A prompt of *n* tokens is cut into whole chunks and one partia
 *tail* chunk holding the rest of the prompt (keyed by exactly those tokens); saves and
 lookups use the same cut. A hit loads up to *n - 1* tokens (vLLM computes the last
 token for its logits), so the same prompt sent again costs one token of compute, and a
-prompt that extends an earlier one hits its whole chunks. A tail's last block is
+prompt that extends an earlier one hits its whole chunks, then the earlier prompt's tail
+where this engine saved it (``cache.vllm.tails``). A tail's last block is
 partly filled: only its first positions are loaded, and vLLM writes the rest.
 
 Hybrid models (``cache.vllm.groups``): each chunk has an entry per entry kind (full
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from cache.assembly import lookup_view
@@ -48,13 +48,15 @@ from cache.keys import Namespace, prompt_chunks
 from cache.popularity import Popularity
 from cache.request_params import LOAD, SAVE, request_wants
 from cache.vllm.groups import GroupLayout, HitPlan, checkpoints, window_chunks
-from cache.vllm.hits import find_hit, load_spans, plan_loads
-from cache.vllm.metadata import ChunkIO, LoadRequest, TieredKVMetadata
+from cache.vllm.hits import find_hit, full_hit, load_spans, plan_loads
+from cache.vllm.metadata import LoadRequest, TieredKVMetadata
 from cache.vllm.metrics import TieredKVStats
 from cache.vllm.namespace import Salts
 from cache.vllm.pinning import Pinner
 from cache.vllm.planner import LoadPlanner
+from cache.vllm.request_state import Chunk, RequestState
 from cache.vllm.saves import Saves
+from cache.vllm.tails import TailIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -64,35 +66,6 @@ log = logging.getLogger(__name__)
 
 # Longest a new request waits for the shared tier to say whether it holds its prefix.
 LOOKUP_WAIT_MAX_S = 0.5
-
-
-@dataclass
-class Chunk:
-    key: str
-    parent: Optional[str]
-    start: int  # first token
-    end: int  # one past the last token
-    keys: tuple[str, ...] = ()  # entry key per entry kind (groups.EntryKind.key)
-
-
-@dataclass
-class RequestState:
-    request: "Request"
-    chunks: list[Chunk] = field(default_factory=list)  # looked up, and saved once computed
-    next_save: int = 0  # first chunk not yet saved
-    n_tokens: int = -1  # token count the chunks were cut for
-    pending_load: Optional[LoadRequest] = None
-    planned: dict[str, int] = field(default_factory=dict)
-    loaded_tokens: dict[str, int] = field(default_factory=dict)  # per tier name
-    probe_until: Optional[float] = None  # deadline of the wait for the shared tier
-    save_wait_until: Optional[float] = None  # deadline of the wait for saves in flight
-    issued: list[ChunkIO] = field(default_factory=list)  # chunks sent to workers to load
-    # Hybrid models: hit ends whose sliding windows are stored (groups.checkpoints), and
-    # per window kind the chunks whose window entries those need.
-    checkpoints: set[int] = field(default_factory=set)
-    window_saves: dict[int, set[int]] = field(default_factory=dict)
-    why: Optional[Lookup] = None  # what the last lookup learnt, for the explanation
-    reuse_noted: bool = False  # its stored chunks were reported as used again
 
 
 class SchedulerSide:
@@ -142,7 +115,10 @@ class SchedulerSide:
         )
         for view in self.views:  # the shared tier starts listing what it holds now, not at
             view.probe([])  # the first request (which would then wait for it)
-        self.saves = Saves(self.layout, self.views, kv_cache_manager_getter, block_size, pinner)
+        # Tails saved here, which longer prompts continue from (full attention only: a
+        # hybrid model's windows are stored at checkpoints of its own cut).
+        self.tails = None if self.layout.hybrid else TailIndex(self.chunk)
+        self.saves = Saves(self.layout, self.views, kv_cache_manager_getter, block_size, pinner, self.tails)
         self.lookup_wait = min(config.shared_timeout_ms / 1000, LOOKUP_WAIT_MAX_S) if config.has_shared else 0.0
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadRequest] = []
@@ -213,9 +189,19 @@ class SchedulerSide:
         ):
             return None, False  # ask again at the next step
         st.why = self._looked_up(st, num_computed_tokens, [t.name for t in found])
+        chunks = st.chunks
+        if self.tails is not None and len(found) < len(chunks) and (plan is None or plan.chunks == len(found)):
+            c, parent = st.chunks[len(found)], st.chunks[len(found) - 1].key if found else None
+            tokens, salt = (request.prompt_token_ids or [])[c.start : c.end], self.salt(request)
+            tail = self.tails.find(self.views, self.chain, parent, tokens, c.start, num_computed_tokens, salt)
+            if tail is not None:  # the hit goes on into an earlier prompt's tail
+                key, end, tier = tail
+                chunks = st.chunks[: len(found)] + [Chunk(key, parent, c.start, end, (key,))]
+                plan = full_hit(self.layout, chunks, st.n_tokens, num_computed_tokens, found + [tier])
+                st.why.partial = (key, end, tier.name)
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
-            loads = [st.chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
+            loads = [chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]
             self._reused.update(dict.fromkeys([c.keys[0] for c in st.chunks[: len(found)]] + loads))
         if plan is not None and plan.junction is not None and plan.junction not in st.checkpoints:
             st.checkpoints.add(plan.junction)  # store the window there for the next request
@@ -227,16 +213,17 @@ class SchedulerSide:
         # would only add engine steps). Hybrid models' loads are always asynchronous:
         # vLLM takes only request-level load failures for them (``LoadPlanner.plan``).
         inline = not self.layout.hybrid and not (self._running - {request.request_id})
-        plan, cost = self._cost_cut(request.request_id, st, plan, num_computed_tokens, inline)
+        plan, cost = self._cost_cut(request.request_id, st, plan, chunks, num_computed_tokens, inline)
         if plan is None:
             return 0, False
         hit_end = plan.hit_end
-        self._upcoming.update(dict.fromkeys(st.chunks[x.chunk].keys[x.kind] for x in plan.loads))
+        self._upcoming.update(dict.fromkeys(chunks[x.chunk].keys[x.kind] for x in plan.loads))
         asynchronous = self.layout.hybrid or (not inline and any(x.tier not in self.sync_tiers for x in plan.loads))
-        st.planned, chunks = plan_loads(self.layout, plan, st.chunks, num_computed_tokens)
+        st.planned, ios = plan_loads(self.layout, plan, chunks, num_computed_tokens)
+        st.hit = chunks
         st.pending_load = LoadRequest(
             request.request_id,
-            chunks,
+            ios,
             asynchronous,
             hit_end,  # then computes the rest
             cost.estimate_s,
@@ -245,11 +232,11 @@ class SchedulerSide:
         )
         return hit_end - num_computed_tokens, asynchronous
 
-    def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, computed: int, inline: bool):
-        """The part of ``plan`` worth loading (``cache.cost``): all of it, a prefix of its
-        chunks, or nothing (None: recompute); and the cost model's plan. A hybrid model's
-        hit loads whole or not at all (``hits.load_spans``)."""
-        spans, sizes = load_spans(self.layout, plan, st.chunks, self.planner.kind_bytes)
+    def _cost_cut(self, req_id: str, st: RequestState, plan: HitPlan, chunks: list, computed: int, inline: bool):
+        """The part of ``plan`` (over the hit's ``chunks``) worth loading (``cache.cost``):
+        all of it, a prefix of its chunks, or nothing (None: recompute); and the cost
+        model's plan. A hybrid model's hit loads whole or not at all (``hits.load_spans``)."""
+        spans, sizes = load_spans(self.layout, plan, chunks, self.planner.kind_bytes)
         cost = self.planner.plan(req_id, spans, st.n_tokens, computed, inline, entry_bytes=sizes)
         if cost.chunks >= len(plan.loads):
             return plan, cost
@@ -257,7 +244,7 @@ class SchedulerSide:
             cut = None
         else:
             last = plan.loads[cost.chunks - 1].chunk
-            cut = HitPlan(last + 1, min(st.chunks[last].end, st.n_tokens - 1), plan.loads[: cost.chunks])
+            cut = HitPlan(last + 1, min(chunks[last].end, st.n_tokens - 1), plan.loads[: cost.chunks])
         self.explain.chose_recompute(st.why, min(x.chunk for x in plan.loads[cost.chunks :]))
         return cut, cost
 
@@ -301,7 +288,7 @@ class SchedulerSide:
         load, st.pending_load = st.pending_load, None
         for name, n in st.planned.items():
             st.loaded_tokens[name] = st.loaded_tokens.get(name, 0) + n
-        by_key = {key: c for c in st.chunks for key in c.keys}
+        by_key = {key: c for c in st.hit for key in c.keys}
         for chunk in load.chunks:
             c = by_key[chunk.key]
             # the last token is computed, not loaded (hit_end <= n_tokens - 1)
