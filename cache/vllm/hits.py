@@ -73,14 +73,14 @@ def find_hit(
     return plan, missing, full_tiers
 
 
-def full_hit(layout: GroupLayout, chunks: Sequence, n_tokens: int, computed: int, tiers: Sequence[TierId]) -> HitPlan:
+def full_hit(
+    layout: GroupLayout, chunks: Sequence, n_tokens: int, computed: int, tiers: Sequence[TierId]
+) -> Optional[HitPlan]:
     """The hit of a full-attention model whose ``chunks`` every rank holds, in ``tiers``
-    (the scheduler's, when it goes on into an earlier prompt's tail: ``cache.vllm.tails``)."""
-    assert not layout.windows and chunks and chunks[-1].end > computed
+    (the scheduler's, when it goes on into an earlier prompt's tail: ``cache.vllm.tails``);
+    None when it serves nothing past ``computed``."""
     bounds = [(c.start, c.end) for c in chunks]
-    plan = plan_hit(layout, bounds, n_tokens, computed, len(chunks), lambda kind, i: None, tiers)
-    assert plan is not None
-    return plan
+    return plan_hit(layout, bounds, n_tokens, computed, len(chunks), lambda kind, i: None, tiers)
 
 
 def plan_loads(

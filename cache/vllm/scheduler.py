@@ -194,11 +194,12 @@ class SchedulerSide:
             c, parent = st.chunks[len(found)], st.chunks[len(found) - 1].key if found else None
             tokens, salt = (request.prompt_token_ids or [])[c.start : c.end], self.salt(request)
             tail = self.tails.find(self.views, self.chain, parent, tokens, c.start, num_computed_tokens, salt)
-            if tail is not None:  # the hit goes on into an earlier prompt's tail
+            if tail is not None:  # the hit may go on into an earlier prompt's tail
                 key, end, tier = tail
-                chunks = st.chunks[: len(found)] + [Chunk(key, parent, c.start, end, (key,))]
-                plan = full_hit(self.layout, chunks, st.n_tokens, num_computed_tokens, found + [tier])
-                st.why.partial = (key, end, tier.name)
+                longer = st.chunks[: len(found)] + [Chunk(key, parent, c.start, end, (key,))]
+                extended = full_hit(self.layout, longer, st.n_tokens, num_computed_tokens, found + [tier])
+                if extended is not None:
+                    chunks, plan, st.why.partial = longer, extended, (key, end, tier.name)
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
             loads = [chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]

@@ -87,6 +87,3 @@ class TailIndex:
             if all(found):
                 return key, start + n, max(f[0] for f in found)
         return None
-
-    def __len__(self) -> int:
-        return len(self._places)
