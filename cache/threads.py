@@ -11,7 +11,9 @@ On GPU workers, which vLLM does not bind, there are none and nothing moves.
 
 Writes are background work: their threads also run at a lower priority (nice +10), so
 that wherever they run, a thread on the request path (the engine loop, a load) comes
-first. Loads stay at normal priority: a request is waiting for them.
+first. Loads stay at normal priority: a request is waiting for them; so do the saves'
+copies on the CPU (``kvcache-copy``): the next step waits for them before vLLM writes
+blocks again.
 
 Each thread also gives the kernel its name (``kvcache-write_0``, ``kvcache-read_1``, ...),
 so ``top -H``, ``ps -L`` and ``/proc/<pid>/task/*/comm`` tell the cache's threads from the
@@ -49,7 +51,7 @@ def spare_cpus() -> frozenset[int]:
 
 class ThreadSetup:
     """What each background thread calls first with its role ("read", "write", "publish",
-    "load", or "shared": the shared tier's own threads): moves it onto ``cpus`` (if any),
+    "load", "copy", or "shared": the shared tier's own threads): moves it onto ``cpus`` (if any),
     lowers writers' priority, and selects the worker's CUDA device (``select_device``,
     once set)."""
 

@@ -1,10 +1,14 @@
 """Block copies between a paged KV cache and entries (the CPU path), and the views
 ``KVLayout`` accepts or refuses. vLLM 0.32's own views, every layout: test_kv_layout.py."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from cache.vllm.kv_copy import BlockCopier, KVLayout
+from cache.vllm.staging import StagingPool
 
 
 @pytest.mark.parametrize("shape", [(10, 2, 4, 8), (10, 4, 16), (10, 2, 3, 4, 8)])
@@ -109,3 +113,63 @@ def test_cpu_copies_of_runs_and_scattered_blocks_agree_with_indexing(block_ids, 
         assert torch.equal(caches[name][block_ids[0]], entry[i, 0])  # untouched
         for j, b in enumerate(block_ids[1:], start=1):
             assert torch.equal(caches[name][b], fresh[i, j])
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [8, 1, 6, 3, 10, 5]])
+@pytest.mark.parametrize("shape", [(12, 2, 4, 8), (12, 2, 3, 4, 8)])
+def test_a_save_copied_on_the_copy_thread_is_the_entry_a_copy_here_makes(block_ids, shape):
+    """A CPU save's copy on the worker's copy thread (numpy, run by run) gives the same
+    entry, bit for bit, as the copy on the calling thread (torch)."""
+    caches = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(3)}
+    layout = KVLayout.of(caches, 12)
+    with ThreadPoolExecutor(1) as copies:
+        got = BlockCopier(caches, layout, copies=copies).gather_async(block_ids)
+        got.wait()
+    assert torch.equal(got.host, BlockCopier(caches, layout).gather(block_ids))
+
+
+def test_the_fence_holds_vllms_next_writes_until_the_copy_thread_has_read_the_blocks():
+    """The copy thread may still read a save's blocks when the step ends; the blocks can be
+    freed and written by the next step (zeroed, filled by another request). ``fence``,
+    called before those writes, waits for the copy: the entry holds what the forward pass
+    wrote. (With the fence a no-op the next step's zeros reach the entry: seen failing.)"""
+    caches = {"l0": torch.full((6, 2, 4, 8), 7.0)}
+    copier = BlockCopier(caches, KVLayout.of(caches, 6), copies=(copies := ThreadPoolExecutor(1)))
+    busy = threading.Event()
+    copies.submit(busy.wait, 10)  # the copy thread is busy: the save's copy waits in line
+    got = copier.gather_async([1, 2])
+
+    def next_step():
+        copier.fence()
+        caches["l0"][1:3] = 0.0  # vLLM zeroes the blocks it gave a new request
+
+    step = threading.Thread(target=next_step)
+    step.start()
+    step.join(0.3)
+    assert step.is_alive()  # held by the fence
+    busy.set()
+    step.join(10)
+    got.wait()
+    copies.shutdown()
+    assert torch.equal(got.host, torch.full((1, 2, 2, 4, 8), 7.0)) and torch.equal(
+        caches["l0"][1:3], torch.zeros(2, 2, 4, 8)
+    )
+
+
+def test_a_slot_given_back_before_its_copy_ended_is_free_only_after_it():
+    """A save dropped before the writer took it (its queue full) gives its staging slot back
+    at once; the copy into that slot may still be waiting for the copy thread. The slot is
+    free only once the copy has ended, never to a new save while it is still written."""
+    caches = {"l0": torch.full((6, 2, 4, 8), 7.0)}
+    layout = KVLayout.of(caches, 6)
+    pool = StagingPool(layout.bytes_per_block() * 2, 1)
+    copier = BlockCopier(caches, layout, staging=pool, copies=(copies := ThreadPoolExecutor(1)))
+    busy = threading.Event()
+    copies.submit(busy.wait, 10)
+    got = copier.gather_async([1, 2])
+    got.release()  # dropped
+    assert copier.gather_async([3, 4]) is None  # the one slot: still being copied into
+    busy.set()
+    copies.submit(lambda: None).result()  # the copy, and what ran once it ended, are done
+    assert copier.gather_async([3, 4]) is not None
+    copies.shutdown()

@@ -38,7 +38,13 @@ and every method first selects the copier's device on the calling thread:
 - nothing is reused before the copy that reads or writes it has ended: a staging slot
   only after the copy's event (a missing sync garbled restored KV in vLLM's simple CPU
   offload, vllm#45704).
-On the CPU every copy is done when the method returns.
+On the CPU a load's copy is done when the method returns; a save's copy runs on the
+worker's copy thread when the copier has one (``copies``), so the step's sampling and the
+engine's next scheduling go on meanwhile: ``gather_async`` queues it and returns, the
+writer thread's ``wait`` waits for it, ``release`` gives the slot back once it ended, and
+``fence`` (before vLLM's next writes to blocks) waits for the copies queued so far. Those
+copies use numpy (one thread, the GIL released): a torch copy of a large layer may start
+an OpenMP team as large as the compute cores' on the copy thread's spare core.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_for
+from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from cache.vllm.kv_layout import KVLayout, check_entry
@@ -61,6 +70,11 @@ log = logging.getLogger(__name__)
 
 def _done() -> None:
     """``wait`` of a copy that is already complete."""
+
+
+def _after(copied: Future, release: Callable[[], None]) -> Callable[[], None]:
+    """``release`` once ``copied`` has ended (at once if it has; else on the copy thread)."""
+    return lambda: copied.add_done_callback(lambda _f: release())
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -114,10 +128,13 @@ class BlockCopier:
         layer_groups: Optional[Sequence[int]] = None,
         staging: Optional[StagingPool] = None,
         streams=None,
+        copies: Optional[Executor] = None,
     ) -> None:
         """``staging``: the worker's pool (None: a new host tensor per gather, pageable).
         ``streams``: the stream calls (default: ``CudaStreams`` for a CUDA cache, none on
-        the CPU); a test passes a recorder, which runs the stream path on CPU tensors."""
+        the CPU); a test passes a recorder, which runs the stream path on CPU tensors.
+        ``copies``: a CPU cache's save-copy thread (one worker; None: saves are copied on
+        the calling thread)."""
         self.layout = layout
         self.caches = layout.views(kv_caches)  # canonical word views, blocks along dim 0
         self._layers = [kv_caches[n] for n in layout.layer_names]
@@ -131,8 +148,10 @@ class BlockCopier:
         self.cuda = streams is not None  # copies ordered on streams
         self.staging = staging
         self._stream = streams.new_stream() if streams is not None else None
+        self._copies = copies if not self.cuda else None
         self._lock = threading.Lock()  # one copy's launches at a time on the stream
-        self._last = None  # event: end of the last gather not yet fenced
+        self._last: Any = None  # CUDA event, or CPU Future: end of the last gather not yet fenced
+        self._words: Optional[list[np.ndarray]] = None  # the word views as numpy arrays (copy thread)
         self._bytes: Optional[list] = None  # ``place``: each layer's memory as a numpy byte array
 
     @property
@@ -233,11 +252,16 @@ class BlockCopier:
         """Copy into ``host`` (``slot``'s, if any); the caller selected the device."""
         words = self.layout.entry_words(host, writable=True)
         if not self.cuda:
-            self._cpu_copy(block_ids, words, into_cache=False)
             pool, release = self.staging, _done
             if slot is not None and pool is not None:
                 release = functools.partial(pool.release, slot)
-            return Gathered(host, _done, release)
+            if self._copies is None:
+                self._cpu_copy(block_ids, words, into_cache=False)
+                return Gathered(host, _done, release)
+            copied = self._copies.submit(self._copy_out, list(block_ids), words)
+            with self._lock:
+                self._last = copied
+            return Gathered(host, copied.result, _after(copied, release))
         s = self.streams
         order = s.mark(s.current())  # the compute stream: taken before ours becomes current
         with self._lock, s.using(self._stream):
@@ -259,14 +283,29 @@ class BlockCopier:
             host, wait, (lambda: pool.release(slot, after=done)) if slot is not None and pool is not None else _done
         )
 
+    def _copy_out(self, block_ids: list[int], entry: torch.Tensor) -> None:
+        """``_cpu_copy`` out of the cache, on the copy thread: numpy slice copies, one run
+        of consecutive blocks at a time."""
+        if self._words is None:
+            self._words = [c.numpy() for c in self.caches]
+        n = self._per_group(block_ids)
+        for i, cache in enumerate(self._words):
+            g = self.layer_groups[i]
+            held = entry[i].numpy()
+            for pos, first, length in _runs(block_ids[g * n : (g + 1) * n]):
+                np.copyto(held[pos : pos + length], cache[first : first + length])
+
     def fence(self) -> None:
-        """Make the calling thread's (compute) stream wait for the gathers issued since
-        the last fence: call it before a forward pass that may write blocks a gather is
-        still reading. A GPU-side wait: the calling thread does not block. Called from
+        """Order vLLM's next writes to blocks after the gathers issued since the last
+        fence: call it before a forward pass, or anything else, may write blocks a gather
+        is still reading. CUDA: the calling thread's (compute) stream waits, the thread
+        does not block. CPU: the thread waits for the copy thread's gathers. Called from
         the thread that issues the gathers."""
         with self._lock:
             last, self._last = self._last, None
-        if last is not None:
+        if isinstance(last, Future):
+            wait_for([last])  # (a failed copy fails its save on the writer thread, not here)
+        elif last is not None:
             self.streams.select()
             self.streams.wait(self.streams.current(), last)
 
@@ -326,11 +365,18 @@ class BlockCopier:
 
 
 def copiers_for(
-    kv_caches: dict[str, torch.Tensor], groups, num_blocks: int, chunk_blocks: int, staging_bytes: int, tiers: str = ""
+    kv_caches: dict[str, torch.Tensor],
+    groups,
+    num_blocks: int,
+    chunk_blocks: int,
+    staging_bytes: int,
+    tiers: str = "",
+    copies: Optional[Executor] = None,
 ) -> tuple[list[BlockCopier], StagingPool]:
     """One copier per entry kind of ``groups`` (``cache.vllm.groups.GroupLayout``) over
     vLLM's views, and the staging pool they share: ``staging_bytes`` in slots of the
-    largest chunk entry (``chunk_blocks`` blocks). ``ValueError``: views it cannot read."""
+    largest chunk entry (``chunk_blocks`` blocks); ``copies``: a CPU cache's save-copy
+    thread. ``ValueError``: views it cannot read."""
     layouts = []
     for kind in groups.kinds:
         if groups.hybrid:  # the kind's layers, each reading its group's blocks
@@ -350,4 +396,4 @@ def copiers_for(
     device = next(iter(kv_caches.values())).device
     pool = staging_pool(staging_bytes, max(lay.bytes_per_block() for lay, _ in layouts) * chunk_blocks, device)
     log.info("kvcache: %s on %s (KVCACHE_STAGING_SIZE)", pool.describe(), device)
-    return [BlockCopier(kv_caches, lay, lg, pool) for lay, lg in layouts], pool
+    return [BlockCopier(kv_caches, lay, lg, pool, copies=copies) for lay, lg in layouts], pool

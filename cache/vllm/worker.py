@@ -9,10 +9,10 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   load reads its chunks through one ``cache.vllm.load_path.ChunkLoader``.
 - ``wait_for_save`` (after the forward pass): the new chunks' blocks are copied to host
   tensors and handed to the store's writer thread; encoding, checksums and file writes
-  never delay the next step. On the CPU the copy is synchronous; on CUDA it is only
-  queued (the writer waits for it; ``fence`` orders vLLM's next writes to blocks
-  after it). Settled saves go back to the scheduler with the next step's output
-  (``take_settled``).
+  never delay the next step. The copy is only queued, on CUDA to a stream and on the
+  CPU to the copy thread (``kvcache-copy``), so the step's sampling goes on: the writer
+  waits for it, and ``fence`` orders vLLM's next writes to blocks after it. Settled
+  saves go back to the scheduler with the next step's output (``take_settled``).
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
   read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline, or not in place
   by the load's deadline: the scheduler's cost model expected recomputing to be
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
@@ -90,6 +90,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # hybrid models: loads that failed
         self._inflight: dict[str, threading.Thread] = {}
+        self._copies: Optional[ThreadPoolExecutor] = None  # CPU caches: the saves' copy thread
         self.loader = ChunkLoader(self.store, block_size, self._on_event)  # every load reads through it
         # this step's layer-wise loads (forward thread)
         self.layered = StepLoads(self.loader, config.layered_loads and not self.layout.hybrid)
@@ -104,9 +105,10 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Views checked (``ValueError``: ``kv_layout``), staging allocated, threads on this device."""
         chunk_blocks = self.config.chunk_tokens // self.block_size
-        self.copiers, self.staging = copiers_for(
-            kv_caches, self.layout, self.num_blocks, chunk_blocks, self.config.staging_bytes, self.store.describe()
-        )
+        if next(iter(kv_caches.values())).device.type == "cpu":  # the saves' copies: off the forward thread
+            self._copies = ThreadPoolExecutor(1, "kvcache-copy", initializer=self._thread_setup, initargs=("copy",))
+        sizes = (self.num_blocks, chunk_blocks, self.config.staging_bytes)
+        self.copiers, self.staging = copiers_for(kv_caches, self.layout, *sizes, self.store.describe(), self._copies)
         if self.copiers[0].cuda:  # threads started from now on select it first
             self._thread_setup.select_device = self.copiers[0].streams.select
         self.costs = LoadCosts(step_clock(self.copiers[0].device))
@@ -114,12 +116,10 @@ class WorkerSide:
         chunk = max(c.layout.bytes_per_block() for c in self.copiers) * chunk_blocks  # the largest entry
         for tier in self.config.tiers():
             if tier.capacity is not None and tier.capacity < chunk:
+                where = f"{tier.name} tier ({tier.capacity:,} bytes at {tier.location})"
                 log.warning(
-                    "kvcache: the %s tier (%s bytes at %s) cannot hold one chunk of this model "
-                    "(%s bytes): chunks go to the next tier down",
-                    tier.name,
-                    f"{tier.capacity:,}",
-                    tier.location,
+                    "kvcache: the %s cannot hold one chunk of this model (%s bytes): chunks go to the next tier down",
+                    where,
                     f"{chunk:,}",
                 )
 
@@ -396,3 +396,5 @@ class WorkerSide:
         for t in list(self._inflight.values()):  # loads in flight: at most 1 s in all
             t.join(timeout=max(0.0, start + 1.0 - time.monotonic()))
         self.store.close(timeout=max(0.5, deadline - time.monotonic()))
+        if self._copies is not None:  # (the writes waited for their copies)
+            self._copies.shutdown(wait=False, cancel_futures=True)
