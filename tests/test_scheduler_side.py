@@ -152,7 +152,8 @@ def test_a_longer_prompt_continues_from_the_tail_an_earlier_one_saved(setup):
     side, writer = setup
     first = request("a", 1500)  # five whole chunks and a 220-token tail
     side.get_num_new_matched_tokens(first, 0)
-    store_saves(writer, side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 1500})))
+    store_saves(writer, saved := side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 1500})))
+    side.saves_settled([c.key for c in saved.saves])
     side.request_finished(first)
 
     turn = request("b", 1900, seed=7)
@@ -189,6 +190,27 @@ def test_a_longer_prompt_continues_from_the_tail_an_earlier_one_saved(setup):
     salted = request("d", 1900, seed=7)
     salted.prompt_token_ids, salted.cache_salt = turn.prompt_token_ids, "tenant-b"
     assert side.get_num_new_matched_tokens(salted, 0) == (0, False)
+
+
+def test_a_longer_prompt_waits_for_the_tail_an_earlier_one_is_still_saving(setup):
+    """The next turn sent as soon as the last one's answer came: the last prompt's whole
+    chunks are stored, its tail still being written. The turn waits for the tail, as for
+    any chunk in flight, then loads it, instead of computing it again."""
+    side, writer = setup
+    first = request("a", 1500)
+    side.get_num_new_matched_tokens(first, 0)
+    meta = side.build_connector_meta(output(new=[("a", 0)], scheduled={"a": 1500}))
+    *whole, tail = meta.saves
+    store_saves(writer, SimpleNamespace(saves=whole))
+    side.saves_settled([c.key for c in whole])
+    side.request_finished(first)
+
+    turn = request("b", 1900, seed=7)
+    turn.prompt_token_ids = first.prompt_token_ids + turn.prompt_token_ids[1500:]
+    assert side.get_num_new_matched_tokens(turn, 0) == (None, False)  # not (1280, False)
+    store_saves(writer, SimpleNamespace(saves=[tail]))
+    side.saves_settled([tail.key])
+    assert side.get_num_new_matched_tokens(turn, 0) == (1500, False)
 
 
 def test_disk_only_hits_load_asynchronously(setup):

@@ -188,18 +188,22 @@ class SchedulerSide:
             and (any(self.saves.awaiting(st, k) for k in missing) or self._awaiting_shared(st, missing))
         ):
             return None, False  # ask again at the next step
-        st.why = self._looked_up(st, num_computed_tokens, [t.name for t in found])
-        chunks = st.chunks
-        if self.tails is not None and len(found) < len(chunks) and (plan is None or plan.chunks == len(found)):
+        tail = None
+        if self.tails is not None and len(found) < len(st.chunks) and (plan is None or plan.chunks == len(found)):
             c, parent = st.chunks[len(found)], st.chunks[len(found) - 1].key if found else None
             tokens, salt = (request.prompt_token_ids or [])[c.start : c.end], self.salt(request)
-            tail = self.tails.find(self.views, self.chain, parent, tokens, c.start, num_computed_tokens, salt)
-            if tail is not None:  # the hit may go on into an earlier prompt's tail
-                key, end, tier = tail
-                longer = st.chunks[: len(found)] + [Chunk(key, parent, c.start, end, (key,))]
-                extended = full_hit(self.layout, longer, st.n_tokens, num_computed_tokens, found + [tier])
-                if extended is not None:
-                    chunks, plan, st.why.partial = longer, extended, (key, end, tier.name)
+            saving = lambda key: self.saves.awaiting(st, key)  # noqa: E731
+            tail = self.tails.find(self.views, self.chain, parent, tokens, c.start, num_computed_tokens, salt, saving)
+            if tail is not None and tail[2] is None:  # an earlier prompt's tail, still being saved
+                return None, False
+        st.why = self._looked_up(st, num_computed_tokens, [t.name for t in found])
+        chunks = st.chunks
+        if tail is not None and (tier := tail[2]) is not None:  # the hit may go on into an earlier prompt's tail
+            key, end = tail[0], tail[1]
+            longer = st.chunks[: len(found)] + [Chunk(key, parent, c.start, end, (key,))]
+            extended = full_hit(self.layout, longer, st.n_tokens, num_computed_tokens, found + [tier])
+            if extended is not None:
+                chunks, plan, st.why.partial = longer, extended, (key, end, tier.name)
         if not st.reuse_noted:  # what was stored before it came is used again: the workers
             st.reuse_noted = True  # copy it to disk too (a preempted request's own chunks are not)
             loads = [chunks[x.chunk].keys[x.kind] for x in (plan.loads if plan else ())]

@@ -15,6 +15,10 @@ prompt with the same first tokens left (its key hashes other tokens), simply mis
 index gives lengths, never KV, and a request's key folds in its own salt, so one tenant's
 candidates cannot load another's entries.
 
+A candidate whose save is still in flight defers the request like any chunk in flight
+(``cache.vllm.saves``: until it settles, ``SAVE_WAIT_MAX_S`` at most): a turn sent right
+after the last one's answer finds the tail stored, not half a chunk to compute again.
+
 Only what this engine saved since it started is indexed: another engine's tails, and
 tails saved before a restart, serve only the same prompt again (as before).
 """
@@ -22,7 +26,7 @@ tails saved before a restart, serve only the same prompt again (as before).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from cache.keys import next_key
 from cache.tiers.identity import TierId
@@ -74,15 +78,20 @@ class TailIndex:
         start: int,
         computed: int,
         salt: str,
-    ) -> Optional[tuple[str, int, TierId]]:
+        saving: Callable[[str], bool] = lambda key: False,
+    ) -> Optional[tuple[str, int, Optional[TierId]]]:
         """The longest tail noted at the place of the chunk holding ``tokens`` from token
         ``start`` (after ``parent``; keyed with the request's ``salt``) that every rank's
         lookup ``views`` hold: its key, where it ends, and the slowest tier holding it.
-        None when there is none, or it would serve nothing past ``computed`` tokens."""
+        None when there is none, or it would serve nothing past ``computed`` tokens. A
+        longer one still being saved (``saving(key)``) comes first, with no tier: the
+        caller may wait for it, as for any chunk in flight."""
         for n in self.lengths(parent, tokens):
             if start + n <= computed:
                 break
             key = next_key(chain, parent, tokens[:n], salt)
+            if saving(key):
+                return key, start + n, None
             found = [v.lookup([key]) for v in views]
             if all(found):
                 return key, start + n, max(f[0] for f in found)
