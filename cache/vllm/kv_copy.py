@@ -39,12 +39,10 @@ and every method first selects the copier's device on the calling thread:
   only after the copy's event (a missing sync garbled restored KV in vLLM's simple CPU
   offload, vllm#45704).
 On the CPU a load's copy is done when the method returns; a save's copy runs on the
-worker's copy thread when the copier has one (``copies``), so the step's sampling and the
-engine's next scheduling go on meanwhile: ``gather_async`` queues it and returns, the
-writer thread's ``wait`` waits for it, ``release`` gives the slot back once it ended, and
-``fence`` (before vLLM's next writes to blocks) waits for the copies queued so far. Those
-copies use numpy (one thread, the GIL released): a torch copy of a large layer may start
-an OpenMP team as large as the compute cores' on the copy thread's spare core.
+worker's copy thread (``copies``) while the step samples: ``gather_async`` queues it, the
+writer's ``wait`` waits for it, ``release`` frees the slot once it ended, and ``fence``
+(before vLLM's next writes to blocks) waits for the copies queued so far. They use numpy
+(one thread, the GIL released): a torch copy may start an OpenMP team on the spare core.
 """
 
 from __future__ import annotations
@@ -204,12 +202,16 @@ class BlockCopier:
             ids = self.streams.to_device(ids)
         return [ids[g] for g in self.layer_groups]
 
+    def _group_runs(self, block_ids: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+        """Each KV cache group's run of ``block_ids`` as runs of consecutive blocks."""
+        n = self._per_group(block_ids)
+        return [_runs(block_ids[g * n : (g + 1) * n]) for g in range(self.n_groups)]
+
     def _cpu_copy(self, block_ids: Sequence[int], entry: torch.Tensor, into_cache: bool) -> None:
         """Copy between the CPU KV cache's ``block_ids`` and ``entry`` (words, ``[layers,
         n blocks, ...]``, any strides): slice copies per run of consecutive blocks, or
         ``index_copy_``/``index_select`` when the blocks are scattered."""
-        n = self._per_group(block_ids)
-        runs = [_runs(block_ids[g * n : (g + 1) * n]) for g in range(self.n_groups)]
+        runs = self._group_runs(block_ids)
         if max(len(r) for r in runs) > MAX_SLICE_RUNS:
             idx = self._index(block_ids)
             for i, cache in enumerate(self.caches):
@@ -288,11 +290,10 @@ class BlockCopier:
         of consecutive blocks at a time."""
         if self._words is None:
             self._words = [c.numpy() for c in self.caches]
-        n = self._per_group(block_ids)
+        runs = self._group_runs(block_ids)
         for i, cache in enumerate(self._words):
-            g = self.layer_groups[i]
             held = entry[i].numpy()
-            for pos, first, length in _runs(block_ids[g * n : (g + 1) * n]):
+            for pos, first, length in runs[self.layer_groups[i]]:
                 np.copyto(held[pos : pos + length], cache[first : first + length])
 
     def fence(self) -> None:
