@@ -60,8 +60,9 @@ CONFIGS = {
 }
 
 
-def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int) -> dict[str, str]:
-    """The settings of ``config``'s server, on top of ``bench.soak``'s (the same model)."""
+def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int, dtype: str | None = None) -> dict[str, str]:
+    """The settings of ``config``'s server, on top of ``bench.soak``'s (the same model);
+    ``dtype``: the model's (vLLM's ``--dtype``) in place of its own bfloat16."""
     _, extra = CONFIGS[config]
     tokens = limit_tokens if config == "limit" else l0_tokens
     env = {
@@ -75,6 +76,8 @@ def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int) -> di
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         **extra,
     }
+    if dtype:
+        env["SM_VLLM_DTYPE"] = dtype
     if config == "ours-shared":
         env["KVCACHE_SHARED_URL"] = f"file://{work / 'shared'}"
     return env
@@ -150,7 +153,7 @@ def run_config(config: str, args, work: Path) -> dict:
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    env = server_env(config, work, args.l0_tokens, args.limit_tokens)
+    env = server_env(config, work, args.l0_tokens, args.limit_tokens, args.dtype)
     t0 = time.perf_counter()
     proc, url = start_server(work, overrides=env)
     out = {"what": CONFIGS[config][0], "settings": env, "start_s": time.perf_counter() - t0, "workloads": {}}
@@ -261,6 +264,11 @@ def parse(argv=None):
     p.add_argument("--think-s", type=float, default=None, help="think time (default: the workload's)")
     p.add_argument("--slo", default="2", help="TTFT p90 SLO in seconds; more, comma-separated, add columns")
     p.add_argument("--render", type=Path, help="rewrite the report, plot and summary from a saved JSON")
+    p.add_argument(
+        "--dtype",
+        help="the check model's dtype in place of bfloat16 (vLLM's --dtype), e.g. float32 on a host "
+        "without bfloat16 instructions, where bfloat16 runs on a slow path (bench.host says which)",
+    )
     p.add_argument("--l0-tokens", type=int, default=32768, help="vLLM's own prefix cache, tokens")
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens")
     p.add_argument(
@@ -321,6 +329,7 @@ def main(argv=None) -> int:
         f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
         f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
         f"(limit {args.limit_tokens:,}); {host.describe()}"
+        f"{f'; the check model in {args.dtype}' if args.dtype else ''}"
     )
     result = {
         "run": {

@@ -96,8 +96,10 @@ def config_env(config: str, args, work: Path) -> dict[str, str]:
     limit's L0 ``--limit-tokens`` (and ``ours-l0-limit``'s: ``ours`` with it), every other
     ``--l0-tokens``."""
     if config == UNLIMITED or config in ABLATED:
-        return capacity.server_env("ours", work, args.limit_tokens, args.limit_tokens)
-    return capacity.server_env("ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens)
+        return capacity.server_env("ours", work, args.limit_tokens, args.limit_tokens, args.dtype)
+    return capacity.server_env(
+        "ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens, args.dtype
+    )
 
 
 def one(
@@ -233,6 +235,11 @@ def main(argv=None) -> int:
     p.add_argument("--workload", default="chat")
     p.add_argument("--duration", type=float, default=90.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--dtype",
+        help="the check model's dtype in place of bfloat16 (vLLM's --dtype), e.g. float32 on a host "
+        "without bfloat16 instructions, where bfloat16 runs on a slow path (bench.host says which)",
+    )
     p.add_argument("--l0-tokens", type=int, default=32768)
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens (bench.capacity's)")
     p.add_argument(
@@ -266,7 +273,7 @@ def main(argv=None) -> int:
     for folder in (args.profile, args.timings, args.steps):
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
-    machine = host.describe()
+    machine = host.describe() + (f"; the check model in {args.dtype}" if args.dtype else "")
     print(f"host: {machine}", flush=True)
     salt = f"{time.time_ns():x}"
     pooled: dict[str, list] = {c: [] for c in configs}

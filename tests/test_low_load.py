@@ -9,7 +9,7 @@ from bench import low_load
 
 
 def test_the_limit_gets_the_limit_l0_and_every_other_configuration_the_small_one(tmp_path: Path):
-    args = Namespace(l0_tokens=32768, limit_tokens=524288)
+    args = Namespace(l0_tokens=32768, limit_tokens=524288, dtype=None)
     blocks = {
         c: int(low_load.config_env(c, args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"])
         for c in ("limit", "ours", "vllm-alone", low_load.BASE, low_load.UNLIMITED)
@@ -30,7 +30,7 @@ def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_p
     from bench import timed_server
     from cache.vllm.connector import TieredKVConnector
 
-    args = Namespace(l0_tokens=32768, limit_tokens=524288)
+    args = Namespace(l0_tokens=32768, limit_tokens=524288, dtype=None)
     limit = low_load.config_env("limit", args, tmp_path)["SM_VLLM_NUM_GPU_BLOCKS_OVERRIDE"]
     assert set(low_load.ABLATED) == {"ours-off", "ours-nosave", "ours-copyonly", "ours-nocopydown"}
     for config, which in low_load.ABLATED.items():
@@ -39,3 +39,14 @@ def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_p
         kv = timed_server.swapped_config(lambda config: {"kv_connector_extra_config": {}}, which)(None)
         cls = getattr(importlib.import_module(kv["kv_connector_module_path"]), kv["kv_connector"])
         assert issubclass(cls, TieredKVConnector) and cls is not TieredKVConnector
+
+
+def test_every_configuration_runs_the_model_in_the_dtype_asked(tmp_path: Path):
+    """``--dtype float32``: on a host without bfloat16 instructions the check model's bfloat16
+    runs on a slow path (4x float32 on an AVX-512 Xeon without them, 2026-12-06); every
+    configuration gets the same dtype, and none is set unless asked."""
+    configs = ("limit", "ours", "vllm-alone", low_load.BASE, low_load.UNLIMITED, *low_load.ABLATED)
+    args = Namespace(l0_tokens=32768, limit_tokens=524288, dtype="float32")
+    assert {low_load.config_env(c, args, tmp_path).get("SM_VLLM_DTYPE") for c in configs} == {"float32"}
+    args.dtype = None
+    assert not any("SM_VLLM_DTYPE" in low_load.config_env(c, args, tmp_path) for c in configs)
