@@ -3,8 +3,9 @@
 Runs in the server process. ``Engine.start`` is a task on the event loop; the slow
 parts (an S3 model's download, importing vLLM, tens of seconds on a small machine;
 building ``AsyncLLM``, which spawns the engine-core and worker processes and waits for
-the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. Once
-ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
+the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. On the CPU
+build, once the workers are bound, the server and the engine core move off their cores
+(``serving.cpu_binding``). Once ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
 ``OpenAIServingCompletion``, the models list, the pooling endpoints when the model
 pools) from the same arguments ``vllm serve`` takes, into the app's own state, where
 ``serving.pipeline`` and vLLM's endpoint functions find them. The engine client those
@@ -30,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from cache.errors import ConfigError
 from serving.config import EngineSettings
+from serving.cpu_binding import bind_off_compute_cores
 from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args
 from serving.leftovers import engine_ready
@@ -197,6 +199,7 @@ class Engine:
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
+        await asyncio.to_thread(bind_off_compute_cores)  # CPU build: off the workers' cores
         await asyncio.to_thread(engine_ready)  # hold our engine's file store; clean up again
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
