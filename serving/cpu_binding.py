@@ -15,8 +15,12 @@ running, and TTFT swung by 1.5x from run to run (``bench/results/low_load.md``, 
 So once the workers are bound, every process of the server's tree that vLLM left unbound
 (the server itself, the engine core, helpers), every thread of each, moves to the CPUs no
 worker computes on; threads started later inherit it. Nothing moves where vLLM bound no
-worker (GPU machines, ``VLLM_CPU_OMP_THREADS_BIND=nobind``) or where the workers take every
-CPU (nothing is left to move to). A worker's own processes and threads are never touched.
+worker (``VLLM_CPU_OMP_THREADS_BIND=nobind``) or where the workers take every CPU (nothing
+is left to move to). A worker's own processes and threads are never touched.
+
+GPU machines: nothing moves (``after_engine_start`` asks vLLM's platform first). vLLM binds
+no GPU worker unless asked (``--numa-bind``: each worker on its GPU's NUMA node), and the
+engine core then belongs next to the workers, not on the CPUs they left.
 """
 
 from __future__ import annotations
@@ -112,6 +116,13 @@ def bind_off_compute_cores(root: Optional[int] = None, proc: Path = PROC) -> Opt
         _cpus(reserved),
     )
     return reserved
+
+
+def after_engine_start() -> Optional[set[int]]:
+    """``bind_off_compute_cores`` for this server on vLLM's CPU build; None elsewhere."""
+    from vllm.platforms import current_platform
+
+    return bind_off_compute_cores() if current_platform.is_cpu() else None
 
 
 def _cpus(cpus: set[int]) -> str:

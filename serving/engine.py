@@ -30,8 +30,8 @@ import time
 from typing import Any, Callable, Optional
 
 from cache.errors import ConfigError
+from serving import cpu_binding
 from serving.config import EngineSettings
-from serving.cpu_binding import bind_off_compute_cores
 from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args
 from serving.leftovers import engine_ready
@@ -199,7 +199,7 @@ class Engine:
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
-        await asyncio.to_thread(bind_off_compute_cores)  # CPU build: off the workers' cores
+        await asyncio.to_thread(cpu_binding.after_engine_start)  # CPU build: off the workers' cores
         await asyncio.to_thread(engine_ready)  # hold our engine's file store; clean up again
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 

@@ -94,3 +94,18 @@ def test_nothing_moves_without_a_bound_worker_or_a_cpu_left_over(tmp_path, worke
         assert _masks(server.pid) == _masks(roles["core"][0]) == {frozenset(CPUS)}
     finally:
         _stop(server)
+
+
+def test_on_a_gpu_build_nothing_moves(monkeypatch):
+    """GPU workers are bound only with ``--numa-bind`` (each to its GPU's NUMA node), and the
+    engine core belongs beside them then: the server never moves on a GPU build."""
+    from vllm.platforms import current_platform
+
+    from serving import cpu_binding
+
+    called = []
+    monkeypatch.setattr(cpu_binding, "bind_off_compute_cores", lambda *a: called.append(a) or {0})
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert cpu_binding.after_engine_start() is None and not called
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
+    assert cpu_binding.after_engine_start() == {0} and called == [()]
