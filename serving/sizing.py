@@ -129,7 +129,8 @@ def plan_tiers(
             + (
                 f"the model computes on {compute} of {machine.cpus} cores; the engine-core, "
                 "the API and the cache's I/O threads share the other "
-                f"{reserved_cpus}"
+                f"{reserved_cpus} (the server moves itself and the engine-core there once the "
+                "model is bound)"
                 if compute
                 else f"{machine.cpus} cores leave none to reserve; vLLM binds the model to all "
                 "of them and the cache's I/O threads share them"
