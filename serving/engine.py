@@ -3,9 +3,8 @@
 Runs in the server process. ``Engine.start`` is a task on the event loop; the slow
 parts (an S3 model's download, importing vLLM, tens of seconds on a small machine;
 building ``AsyncLLM``, which spawns the engine-core and worker processes and waits for
-the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. On the CPU
-build, once the workers are bound, the server and the engine core move off their cores
-(``serving.cpu_binding``). Once ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
+the model to load) run in threads, so ``/ping`` keeps answering 503 meanwhile. Once
+ready, vLLM's ``init_app_state`` builds its OpenAI serving layer (``OpenAIServingChat``,
 ``OpenAIServingCompletion``, the models list, the pooling endpoints when the model
 pools) from the same arguments ``vllm serve`` takes, into the app's own state, where
 ``serving.pipeline`` and vLLM's endpoint functions find them. The engine client those
@@ -30,7 +29,6 @@ import time
 from typing import Any, Callable, Optional
 
 from cache.errors import ConfigError
-from serving import cpu_binding
 from serving.config import EngineSettings
 from serving.dram_warm import DramWarm
 from serving.engine_args import parse_engine_args
@@ -199,7 +197,6 @@ class Engine:
         self.client = await asyncio.to_thread(_build_async_llm, args)
         if self.state is State.STOPPING:  # SIGTERM arrived during start-up: stop() shuts it down
             return
-        await asyncio.to_thread(cpu_binding.after_engine_start)  # CPU build: off the workers' cores
         await asyncio.to_thread(engine_ready)  # hold our engine's file store; clean up again
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 

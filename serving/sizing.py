@@ -129,8 +129,7 @@ def plan_tiers(
             + (
                 f"the model computes on {compute} of {machine.cpus} cores; the engine-core, "
                 "the API and the cache's I/O threads share the other "
-                f"{reserved_cpus} (the server moves itself and the engine-core there once the "
-                "model is bound)"
+                f"{reserved_cpus}"
                 if compute
                 else f"{machine.cpus} cores leave none to reserve; vLLM binds the model to all "
                 "of them and the cache's I/O threads share them"

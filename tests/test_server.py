@@ -414,25 +414,6 @@ def test_ping_is_503_while_starting_and_always_fast(server):
 
 
 @engine
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vLLM binds its worker to every CPU of one")
-def test_the_server_and_its_engine_core_run_off_the_cores_the_model_computes_on(server):
-    """serving.cpu_binding: vLLM binds its CPU worker to its compute cores and leaves the
-    API server and the engine core on every CPU; the server moves them, every thread, once
-    the worker is bound (the worker and its threads stay where vLLM put them)."""
-    top = psutil.Process(server.proc.pid)
-    family = [top, *top.children(recursive=True)]
-    workers = [p for p in family if p.name().startswith("VLLM::Worker")]
-    compute = set().union(*(p.cpu_affinity() for p in workers))
-    assert workers and compute < os.sched_getaffinity(0), [(p.name(), p.cpu_affinity()) for p in family]
-    others = [p for p in family if p not in workers and not any(q in workers for q in p.parents())]
-    assert any(p.name().startswith("VLLM::EngineCor") for p in others), [p.name() for p in others]
-    for p in others:
-        for t in p.threads():
-            assert not os.sched_getaffinity(t.id) & compute, (p.name(), t.id, os.sched_getaffinity(t.id))
-    assert "cpu binding: the model computes on CPUs" in server.log.read_text()
-
-
-@engine
 def test_ping_answers_fast_while_the_engine_is_busy(server):
     done = threading.Event()
 
