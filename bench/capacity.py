@@ -46,6 +46,10 @@ from bench.capacity_workloads import Workload, workload  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 CPU_BLOCK = 128  # vLLM's block size on the CPU build
 MAX_MODEL_LEN = 8192
+DTYPE_HELP = (  # (bench.low_load's too)
+    "the check model's dtype in place of bfloat16 (vLLM's --dtype), e.g. float32 on a host "
+    "without bfloat16 instructions, where bfloat16 runs on a slow path (bench.host says which)"
+)
 
 # name -> (what it is, settings on top of the common ones). Sizes are the check model's.
 CONFIGS = {
@@ -264,11 +268,7 @@ def parse(argv=None):
     p.add_argument("--think-s", type=float, default=None, help="think time (default: the workload's)")
     p.add_argument("--slo", default="2", help="TTFT p90 SLO in seconds; more, comma-separated, add columns")
     p.add_argument("--render", type=Path, help="rewrite the report, plot and summary from a saved JSON")
-    p.add_argument(
-        "--dtype",
-        help="the check model's dtype in place of bfloat16 (vLLM's --dtype), e.g. float32 on a host "
-        "without bfloat16 instructions, where bfloat16 runs on a slow path (bench.host says which)",
-    )
+    p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--l0-tokens", type=int, default=32768, help="vLLM's own prefix cache, tokens")
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens")
     p.add_argument(

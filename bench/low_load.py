@@ -235,11 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", default="chat")
     p.add_argument("--duration", type=float, default=90.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument(
-        "--dtype",
-        help="the check model's dtype in place of bfloat16 (vLLM's --dtype), e.g. float32 on a host "
-        "without bfloat16 instructions, where bfloat16 runs on a slow path (bench.host says which)",
-    )
+    p.add_argument("--dtype", help=capacity.DTYPE_HELP)
     p.add_argument("--l0-tokens", type=int, default=32768)
     p.add_argument("--limit-tokens", type=int, default=524288, help="the limit's L0, tokens (bench.capacity's)")
     p.add_argument(
