@@ -64,6 +64,11 @@ CONFIGS = {
 }
 
 
+def run_host(dtype: str | None) -> str:
+    """The host (``bench.host``) and, when ``--dtype`` replaced it, the check model's dtype."""
+    return host.describe() + (f"; the check model in {dtype}" if dtype else "")
+
+
 def server_env(config: str, work: Path, l0_tokens: int, limit_tokens: int, dtype: str | None = None) -> dict[str, str]:
     """The settings of ``config``'s server, on top of ``bench.soak``'s (the same model);
     ``dtype``: the model's (vLLM's ``--dtype``) in place of its own bfloat16."""
@@ -328,8 +333,7 @@ def main(argv=None) -> int:
         f"workloads {','.join(args.workloads)}; configurations {','.join(args.configs)}; users "
         f"{','.join(map(str, args.users))}; {args.duration:g} s per point; think time "
         f"{'per workload' if args.think_s is None else f'{args.think_s:g} s'}; L0 {args.l0_tokens:,} tokens "
-        f"(limit {args.limit_tokens:,}); {host.describe()}"
-        f"{f'; the check model in {args.dtype}' if args.dtype else ''}"
+        f"(limit {args.limit_tokens:,}); {run_host(args.dtype)}"
     )
     result = {
         "run": {

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import capacity, host, proc_cpu, step_timings, vllm_steps  # noqa: E402
+from bench import capacity, proc_cpu, step_timings, vllm_steps  # noqa: E402
 from bench import capacity_stats as stats  # noqa: E402
 from bench.capacity_workloads import workload  # noqa: E402
 
@@ -96,10 +96,10 @@ def config_env(config: str, args, work: Path) -> dict[str, str]:
     limit's L0 ``--limit-tokens`` (and ``ours-l0-limit``'s: ``ours`` with it), every other
     ``--l0-tokens``."""
     if config == UNLIMITED or config in ABLATED:
-        return capacity.server_env("ours", work, args.limit_tokens, args.limit_tokens, args.dtype)
-    return capacity.server_env(
-        "ours" if config == BASE else config, work, args.l0_tokens, args.limit_tokens, args.dtype
-    )
+        name, l0 = "ours", args.limit_tokens
+    else:
+        name, l0 = ("ours" if config == BASE else config), args.l0_tokens
+    return capacity.server_env(name, work, l0, args.limit_tokens, args.dtype)
 
 
 def one(
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     for folder in (args.profile, args.timings, args.steps):
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
-    machine = host.describe() + (f"; the check model in {args.dtype}" if args.dtype else "")
+    machine = capacity.run_host(args.dtype)
     print(f"host: {machine}", flush=True)
     salt = f"{time.time_ns():x}"
     pooled: dict[str, list] = {c: [] for c in configs}

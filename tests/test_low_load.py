@@ -43,7 +43,7 @@ def test_ablated_configurations_run_ours_connector_with_parts_switched_off(tmp_p
 
 def test_every_configuration_runs_the_model_in_the_dtype_asked(tmp_path: Path):
     """``--dtype float32``: on a host without bfloat16 instructions the check model's bfloat16
-    runs on a slow path (4x float32 on an AVX-512 Xeon without them, 2026-12-06); every
+    runs on a slow path (1.7x float32's cost a prompt token on an AVX-512 Xeon without them); every
     configuration gets the same dtype, and none is set unless asked."""
     configs = ("limit", "ours", "vllm-alone", low_load.BASE, low_load.UNLIMITED, *low_load.ABLATED)
     args = Namespace(l0_tokens=32768, limit_tokens=524288, dtype="float32")
