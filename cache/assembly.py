@@ -26,6 +26,7 @@ from cache.keys import Namespace
 from cache.pins import PinBook
 from cache.policy import POLICIES, make_policy
 from cache.store import TieredStore
+from cache.store.idle_gate import IdleGate
 from cache.tiers.base import Tier
 from cache.tiers.files import FileTier
 from cache.tiers.resilience import Pacer
@@ -103,11 +104,13 @@ def writer_store(
     thread_setup: Optional[Callable[[str], None]] = None,
     timer: Optional[Callable[[str, float], None]] = None,
     on_event: Optional[Callable[[str, str, str], None]] = None,
+    gate: Optional[IdleGate] = None,
 ) -> TieredStore:
     """A store that reads and writes: one policy per local tier; upper tiers demote what
     they evict, so their policy takes every chunk, and the last local tier's evictions
     are final, so its policy also judges admission. Eviction passes over the pins of the
-    last local tier's folder; ``on_event(key, event, tier)`` hears what happens to chunks."""
+    last local tier's folder; ``on_event(key, event, tier)`` hears what happens to chunks;
+    background writes wait at ``gate`` (``cache.store.idle_gate``) for the engine to go quiet."""
     specs = config.tiers()
     policies = [make_policy(config.policy, last_tier=spec.last_local) for spec in specs if not spec.shared]
     return TieredStore(
@@ -121,6 +124,7 @@ def writer_store(
         timer=timer,
         on_event=on_event,
         pins=pin_book(config, namespace.id),
+        gate=gate,
     )
 
 

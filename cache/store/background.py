@@ -8,7 +8,9 @@ one publisher thread. ``thread_setup(role)`` runs first on each thread ("read", 
 is logged and the work is dropped. New entries wait for the writer thread within a bound
 on their bytes (``write_bounded``): past it an entry is dropped, never queued without
 limit (memory) nor waited for (the engine's step). ``flush`` waits for the writer and publisher work (and
-what it submits in turn); reads are the caller's to wait for.
+what it submits in turn); reads are the caller's to wait for. With an ``IdleGate``
+(``cache.store.idle_gate``; the engine's worker gives one), writer and publisher work
+waits for a quiet moment of the engine, briefly, before it runs; ``flush`` lets it go at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
+
+from cache.store.idle_gate import IdleGate
 
 log = logging.getLogger("cache.store")
 
@@ -31,6 +35,7 @@ class Background:
         publisher: bool,
         thread_setup: Optional[Callable[[str], None]] = None,
         max_pending_bytes: int = 1 << 30,
+        gate: Optional[IdleGate] = None,
     ) -> None:
         def pool(n: int, role: str) -> ThreadPoolExecutor:
             def setup() -> None:
@@ -46,6 +51,7 @@ class Background:
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._max_pending_bytes = max_pending_bytes
+        self.gate = gate
 
     def read(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on a read thread (not waited for by ``flush``)."""
@@ -53,7 +59,7 @@ class Background:
 
     def write(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the writer thread, after what was submitted before."""
-        return self._track(self._writer.submit(_guard, fn, *args))
+        return self._track(self._writer.submit(self._run, self._queued(), fn, *args))
 
     def write_bounded(self, nbytes: int, settled: Callable[[], None], fn: Callable, *args) -> bool:
         """``write(fn, *args)`` for ``nbytes`` of new data, unless the writes queued so far
@@ -75,7 +81,19 @@ class Background:
     def publish(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the publisher thread."""
         assert self._publisher is not None, "no shared tier"
-        return self._track(self._publisher.submit(_guard, fn, *args))
+        return self._track(self._publisher.submit(self._run, self._queued(), fn, *args))
+
+    def _queued(self) -> Optional[tuple[int, float]]:
+        return (self.gate.ticket(), time.monotonic()) if self.gate is not None else None
+
+    def _run(self, queued: Optional[tuple[int, float]], fn: Callable, *args):
+        if queued is not None and self.gate is not None:
+            self.gate.wait(*queued)
+        return _guard(fn, *args)
+
+    def pressed(self) -> bool:
+        """Whether the queued writes hold more than half their byte bound (``IdleGate``)."""
+        return self._pending_bytes * 2 > self._max_pending_bytes
 
     def _track(self, fut: Future) -> Future:
         with self._lock:
@@ -96,6 +114,8 @@ class Background:
         False if ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self.gate is not None:
+                self.gate.hurry()  # (again each round: what the work queued meanwhile)
             with self._lock:
                 pending = list(self._pending)
             if not pending:

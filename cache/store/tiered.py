@@ -60,6 +60,7 @@ from cache.placed import BlockWriters, Place
 from cache.policy import EvictionPolicy
 from cache.store.accounting import Accounting, EventSink, StoreStats
 from cache.store.background import Background
+from cache.store.idle_gate import IdleGate
 from cache.store.placement import Layout
 from cache.store.publisher import Publisher
 from cache.store.reads import ELSEWHERE, Entry, Reads, Timer
@@ -86,12 +87,14 @@ class TieredStore:
         timer: Optional[Timer] = None,
         on_event: Optional[EventSink] = None,
         pins: Optional[PinBook] = None,
+        gate: Optional[IdleGate] = None,
     ) -> None:
         """``policies`` given (one per tier; the shared tier's, if any, is not used) makes
         a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
         of its threads ("read", "write", "publish"; see ``cache.threads``). ``on_event(key,
         event, tier)``: what happened to a chunk (``cache.explain``); ``pins``: pinned
-        prefixes eviction passes over (``cache.pins``)."""
+        prefixes eviction passes over (``cache.pins``); ``gate``: when background writes may
+        run (``cache.store.idle_gate``; None: at once)."""
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -112,7 +115,9 @@ class TieredStore:
         self._background: Optional[Background] = None
         self.writer: Optional[TierWriter] = None
         if self.policies is not None:
-            self._background = bg = Background(io_threads, self.shared is not None, thread_setup, max_pending_bytes)
+            self._background = bg = Background(
+                io_threads, self.shared is not None, thread_setup, max_pending_bytes, gate
+            )
             publisher = (
                 Publisher(self.shared, self.account, bg.publish, max_publish_bytes) if self.shared is not None else None
             )
@@ -351,6 +356,10 @@ class TieredStore:
         )
 
     # -- lifecycle -------------------------------------------------------------
+    def writes_pressed(self) -> bool:
+        """Whether the queued writes hold more than half their byte bound."""
+        return self._background is not None and self._background.pressed()
+
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until queued writes (and the promotions, demotions, publishes and copies
         down they cause) are done; False if ``timeout`` passed first."""

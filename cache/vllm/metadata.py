@@ -63,6 +63,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     compute: Optional[tuple[int, float]] = None
     # Pinned chunks to publish to the shared tier now, if a local tier holds them (cache.pins).
     publish: list[str] = field(default_factory=list)
+    # A request waits for saves in flight (cache.vllm.saves): the workers write what they
+    # hold back for a quiet moment (cache.store.idle_gate) at once.
+    hurry: bool = False
 
 
 @dataclass

@@ -124,6 +124,7 @@ class SchedulerSide:
         self._loads: list[LoadRequest] = []
         self._upcoming: dict[str, None] = {}  # ordered set of chunk keys queued requests hit
         self._reused: dict[str, None] = {}  # ordered set of stored entry keys new requests found
+        self._hurry = False  # a request waits for saves in flight: the workers write at once
         # Requests the last step ran that are not finished: while there are none, loads from
         # any tier run before the forward pass (nothing to stall).
         self._running: set[str] = set()
@@ -187,6 +188,7 @@ class SchedulerSide:
             and st.chunks[-1].end > num_computed_tokens
             and (any(self.saves.awaiting(st, k) for k in missing) or self._awaiting_shared(st, missing))
         ):
+            self._hurry = True  # the workers write what they hold back (cache.store.idle_gate)
             return None, False  # ask again at the next step
         tail = None
         if self.tails is not None and len(found) < len(st.chunks) and (plan is None or plan.chunks == len(found)):
@@ -195,6 +197,7 @@ class SchedulerSide:
             saving = lambda key: self.saves.awaiting(st, key)  # noqa: E731
             tail = self.tails.find(self.views, self.chain, parent, tokens, c.start, num_computed_tokens, salt, saving)
             if tail is not None and tail[2] is None:  # an earlier prompt's tail, still being saved
+                self._hurry = True
                 return None, False
         st.why = self._looked_up(st, num_computed_tokens, [t.name for t in found])
         chunks = st.chunks
@@ -314,8 +317,9 @@ class SchedulerSide:
             upcoming=list(self._upcoming),
             reused=list(self._reused),
             publish=self.pinner.take_publish() if self.pinner else [],
+            hurry=self._hurry,
         )
-        self._loads, self._upcoming, self._reused = [], {}, {}
+        self._loads, self._upcoming, self._reused, self._hurry = [], {}, {}, False
         scheduled = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         scheduled += list(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         self._running = {r for r, _ in scheduled}

@@ -13,6 +13,9 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   CPU to the copy thread (``kvcache-copy``), so the step's sampling goes on: the writer
   waits for it, and ``fence`` orders vLLM's next writes to blocks after it. Settled
   saves go back to the scheduler with the next step's output (``take_settled``).
+  The writer thread holds each write back for a quiet moment (no step for a few ms, at
+  most ``cache.store.idle_gate.MAX_WAIT_S``; at once when a request waits for a save):
+  its Python shares the process's interpreter lock with the forward pass.
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
   read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline, or not in place
   by the load's deadline: the scheduler's cost model expected recomputing to be
@@ -42,6 +45,7 @@ from cache.assembly import writer_store
 from cache.config import CacheConfig
 from cache.keys import Namespace
 from cache.placed import BlockWriters
+from cache.store.idle_gate import IdleGate
 from cache.threads import spare_cpus, thread_setup
 from cache.vllm.groups import GroupLayout
 from cache.vllm.kv_copy import BlockCopier, copiers_for
@@ -80,7 +84,11 @@ class WorkerSide:
         self._thread_setup = thread_setup(cpus)
         self._lock = threading.Lock()
         self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
-        self.store = writer_store(config, namespace, thread_setup=self._thread_setup, on_event=self._on_event)
+        # Background writes wait for a quiet moment of the forward thread (cache.store.idle_gate).
+        self.gate = IdleGate(pressed=self._writes_pressed)
+        self.store = writer_store(
+            config, namespace, thread_setup=self._thread_setup, on_event=self._on_event, gate=self.gate
+        )
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
@@ -138,6 +146,9 @@ class WorkerSide:
 
     def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
         """A step's metadata is bound, before its forward pass is launched."""
+        self.gate.step_began()
+        if meta is not None and meta.hurry:
+            self.gate.hurry()  # a request waits for a save: the writes queued go now
         self.fence()
         if self.costs is not None:
             self.costs.forward_began(meta.compute if meta is not None else None)
@@ -343,6 +354,7 @@ class WorkerSide:
     # -- saves -----------------------------------------------------------------
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
         self._fail(self.layered.finish())  # this step's layer-wise loads end; failures go with its output
+        self.gate.step_ended()
         if self.costs is not None:
             self.costs.forward_ended()
         if not meta.saves or not self.copiers:
@@ -366,6 +378,14 @@ class WorkerSide:
                 ready=got.wait,
                 borrowed=True,
             )
+
+    def _writes_pressed(self) -> bool:
+        """Whether holding writes back would drop saves: half the staging slots or half
+        the queue's byte bound taken (the writer thread asks, ``IdleGate``)."""
+        staging = self.staging
+        if staging is not None and staging.in_use() * 2 > staging.slots:
+            return True
+        return self.store.writes_pressed()
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
