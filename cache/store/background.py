@@ -52,6 +52,8 @@ class Background:
         self._pending_bytes = 0
         self._max_pending_bytes = max_pending_bytes
         self.gate = gate
+        if gate is not None:  # a queue half full: holding writes would drop new entries
+            gate.pressures.append(self.pressed)
 
     def read(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on a read thread (not waited for by ``flush``)."""

@@ -45,7 +45,7 @@ class IdleGate:
         pressed: Optional[Callable[[], bool]] = None,
     ) -> None:
         self.max_wait_s, self.quiet_s = max_wait_s, quiet_s
-        self.pressed = pressed
+        self.pressures: list[Callable[[], bool]] = [pressed] if pressed is not None else []
         self._in_step = False
         self._last_end = float("-inf")
         self._seq = itertools.count(1)
@@ -54,8 +54,10 @@ class IdleGate:
         self.waited_s = 0.0  # all writes' waits, summed (the step's stats)
 
     # -- forward thread ------------------------------------------------------------------
-    def step_began(self) -> None:
+    def step_began(self, hurry: bool = False) -> None:
         self._in_step = True
+        if hurry:
+            self.hurry()
 
     def step_ended(self) -> None:
         self._last_end = time.monotonic()
@@ -80,7 +82,7 @@ class IdleGate:
             now = time.monotonic()
             if ticket <= self._hurried_through or now >= deadline:
                 break
-            if self.pressed is not None and self.pressed():
+            if any(p() for p in self.pressures):
                 break
             if self._in_step:
                 pause = POLL_S

@@ -93,8 +93,7 @@ class TieredStore:
         a writer store; None a lookup-only one. ``thread_setup(role)`` runs first on each
         of its threads ("read", "write", "publish"; see ``cache.threads``). ``on_event(key,
         event, tier)``: what happened to a chunk (``cache.explain``); ``pins``: pinned
-        prefixes eviction passes over (``cache.pins``); ``gate``: when background writes may
-        run (``cache.store.idle_gate``; None: at once)."""
+        prefixes eviction passes over (``cache.pins``), ``gate`` (``cache.store.idle_gate``)."""
         self.tiers = list(tiers)
         shared = [i for i, t in enumerate(self.tiers) if t.shared]
         if shared and shared != [len(self.tiers) - 1]:
@@ -115,9 +114,8 @@ class TieredStore:
         self._background: Optional[Background] = None
         self.writer: Optional[TierWriter] = None
         if self.policies is not None:
-            self._background = bg = Background(
-                io_threads, self.shared is not None, thread_setup, max_pending_bytes, gate
-            )
+            bg = Background(io_threads, self.shared is not None, thread_setup, max_pending_bytes, gate)
+            self._background = bg
             publisher = (
                 Publisher(self.shared, self.account, bg.publish, max_publish_bytes) if self.shared is not None else None
             )
@@ -356,10 +354,6 @@ class TieredStore:
         )
 
     # -- lifecycle -------------------------------------------------------------
-    def writes_pressed(self) -> bool:
-        """Whether the queued writes hold more than half their byte bound."""
-        return self._background is not None and self._background.pressed()
-
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until queued writes (and the promotions, demotions, publishes and copies
         down they cause) are done; False if ``timeout`` passed first."""

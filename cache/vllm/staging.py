@@ -142,3 +142,8 @@ def staging_pool(staging_bytes: int, entry_bytes: int, device: torch.device) -> 
     return StagingPool(
         slot, max(1, staging_bytes // slot), pin=cuda, happened=(lambda event: event.query()) if cuda else None
     )
+
+
+def half_taken(pool: Optional[StagingPool]) -> bool:
+    """Whether more than half of ``pool``'s slots are taken (holding writes would drop saves)."""
+    return pool is not None and pool.in_use() * 2 > pool.slots

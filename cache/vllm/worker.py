@@ -13,9 +13,6 @@ Runs in each vLLM worker process (one per GPU rank; on the CPU build, one worker
   CPU to the copy thread (``kvcache-copy``), so the step's sampling goes on: the writer
   waits for it, and ``fence`` orders vLLM's next writes to blocks after it. Settled
   saves go back to the scheduler with the next step's output (``take_settled``).
-  The writer thread holds each write back for a quiet moment (no step for a few ms, at
-  most ``cache.store.idle_gate.MAX_WAIT_S``; at once when a request waits for a save):
-  its Python shares the process's interpreter lock with the forward pass.
 - A chunk that cannot be loaded (evicted meanwhile, damaged, foreign, a shared-tier
   read past ``KVCACHE_SHARED_TIMEOUT_MS``: the tier's own deadline, or not in place
   by the load's deadline: the scheduler's cost model expected recomputing to be
@@ -54,7 +51,7 @@ from cache.vllm.load_costs import LoadCosts
 from cache.vllm.load_path import ChunkLoader, ChunkResult, Deadline, Failed, Fetched, Remote, failed_from
 from cache.vllm.metadata import LoadRequest, TieredKVMetadata, TieredKVWorkerMetadata
 from cache.vllm.metrics import StatsDelta
-from cache.vllm.staging import StagingPool
+from cache.vllm.staging import StagingPool, half_taken
 from cache.vllm.step_clock import step_clock
 
 log = logging.getLogger(__name__)
@@ -84,11 +81,9 @@ class WorkerSide:
         self._thread_setup = thread_setup(cpus)
         self._lock = threading.Lock()
         self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
-        # Background writes wait for a quiet moment of the forward thread (cache.store.idle_gate).
-        self.gate = IdleGate(pressed=self._writes_pressed)
-        self.store = writer_store(
-            config, namespace, thread_setup=self._thread_setup, on_event=self._on_event, gate=self.gate
-        )
+        self.gate = IdleGate(pressed=lambda: half_taken(self.staging))
+        self.store = writer_store(config, namespace,
+            thread_setup=self._thread_setup, on_event=self._on_event, gate=self.gate)
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
@@ -103,9 +98,8 @@ class WorkerSide:
         # this step's layer-wise loads (forward thread)
         self.layered = StepLoads(self.loader, config.layered_loads and not self.layout.hybrid)
         self._settled: list[str] = []  # saves settled since the last step (writer thread appends)
-        # The tiers' usage for the step's stats: read on a read thread (a tier's usage is
-        # kept under its folder's file lock, which the writer thread holds while it writes:
-        # the forward thread never waits for it), again once a save settled or it is stale.
+        # The tiers' usage for the step's stats: read on a read thread (the writer holds the folder
+        # lock as it writes; the forward thread never waits for it), again once a save settled or stale.
         self._levels: Optional[dict[str, int]] = None
         self._levels_at = float("-inf")
         self._levels_reading = False
@@ -132,23 +126,18 @@ class WorkerSide:
                 )
 
     def set_timer(self, timer: Optional[Callable[..., None]]) -> None:
-        """Benchmarks: ``timer(step, seconds, **details)`` for each tier read (``"read"``) and
-        entry check (``"decode"``, on the thread that ran them), copy into the KV cache
-        (``"scatter"``) and load request (``"load"``: ``req``, ``asynchronous``, ``chunks``, ``failed``)."""
+        """Benchmarks: ``timer(step, seconds, **details)`` per tier read, entry check, copy and load."""
         self.loader.timer = timer
         self.store.set_timer(timer)
 
     # -- loads -----------------------------------------------------------------
-    def fence(self) -> None:
-        """vLLM's next writes to KV blocks wait for earlier saves' copies (forward thread)."""
+    def fence(self) -> None:  # vLLM's next writes to KV blocks wait for earlier saves' copies
         for copier in self.copiers:
             copier.fence()
 
     def step_begins(self, meta: Optional[TieredKVMetadata] = None) -> None:
         """A step's metadata is bound, before its forward pass is launched."""
-        self.gate.step_began()
-        if meta is not None and meta.hurry:
-            self.gate.hurry()  # a request waits for a save: the writes queued go now
+        self.gate.step_began(hurry=meta is not None and meta.hurry)  # hurry: a request waits for a save
         self.fence()
         if self.costs is not None:
             self.costs.forward_began(meta.compute if meta is not None else None)
@@ -289,8 +278,7 @@ class WorkerSide:
         return done_here
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads finished since the last call and those of them that failed
-        whole (hybrid models), taken together: a load ending meanwhile is in both or neither."""
+        """Asynchronous loads finished since the last call, and those that failed whole (hybrid)."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
             failed, self._failed_requests = self._failed_requests, set()
@@ -378,14 +366,6 @@ class WorkerSide:
                 ready=got.wait,
                 borrowed=True,
             )
-
-    def _writes_pressed(self) -> bool:
-        """Whether holding writes back would drop saves: half the staging slots or half
-        the queue's byte bound taken (the writer thread asks, ``IdleGate``)."""
-        staging = self.staging
-        if staging is not None and staging.in_use() * 2 > staging.slots:
-            return True
-        return self.store.writes_pressed()
 
     def _on_settled(self, key: str) -> None:
         with self._lock:
