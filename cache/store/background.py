@@ -89,7 +89,8 @@ class Background:
         return (self.gate.ticket(), time.monotonic()) if self.gate is not None else None
 
     def _run(self, queued: Optional[tuple[int, float]], fn: Callable, *args):
-        if queued is not None and self.gate is not None:
+        if queued is not None:  # (given by the gate, ``_queued``)
+            assert self.gate is not None
             self.gate.wait(*queued)
         return _guard(fn, *args)
 

@@ -51,7 +51,6 @@ class IdleGate:
         self._seq = itertools.count(1)
         self._hurried_through = 0  # writes numbered up to this go at once
         self._lock = threading.Lock()
-        self.waited_s = 0.0  # all writes' waits, summed (the step's stats)
 
     # -- forward thread ------------------------------------------------------------------
     def step_began(self, hurry: bool = False) -> None:
@@ -76,7 +75,6 @@ class IdleGate:
     # -- writer/publisher thread ---------------------------------------------------------
     def wait(self, ticket: int, queued_at: float) -> None:
         """Return once write ``ticket`` (queued at ``queued_at``, ``time.monotonic()``) may run."""
-        started = time.monotonic()
         deadline = queued_at + self.max_wait_s
         while True:
             now = time.monotonic()
@@ -92,4 +90,3 @@ class IdleGate:
                     break
                 pause = self.quiet_s - quiet_for
             time.sleep(min(pause, deadline - now))
-        self.waited_s += time.monotonic() - started

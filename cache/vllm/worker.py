@@ -78,12 +78,11 @@ class WorkerSide:
         self.block_size = block_size
         self._stats = StatsDelta(per_request=namespace.rank == 0)  # requests counted by rank 0 alone
         cpus = spare_cpus()  # off the compute cores vLLM bound this worker to (CPU backend)
-        self._thread_setup = thread_setup(cpus)
+        setup = self._thread_setup = thread_setup(cpus)
         self._lock = threading.Lock()
         self._events: list[tuple[str, str, str]] = []  # chunk events since the last step (cache.explain)
-        self.gate = IdleGate(pressed=lambda: half_taken(self.staging))
-        self.store = writer_store(config, namespace,
-            thread_setup=self._thread_setup, on_event=self._on_event, gate=self.gate)
+        gate = self.gate = IdleGate(pressed=lambda: half_taken(self.staging))  # (cache.store.idle_gate)
+        self.store = writer_store(config, namespace, thread_setup=setup, on_event=self._on_event, gate=gate)
         if cpus:
             log.info("kvcache: I/O threads on CPUs %s (off this worker's compute cores)", sorted(cpus))
         self.copiers: list[BlockCopier] = []  # one per entry kind
@@ -131,7 +130,7 @@ class WorkerSide:
         self.store.set_timer(timer)
 
     # -- loads -----------------------------------------------------------------
-    def fence(self) -> None:  # vLLM's next writes to KV blocks wait for earlier saves' copies
+    def fence(self) -> None:  # forward thread: vLLM's next writes to KV blocks wait for earlier saves' copies
         for copier in self.copiers:
             copier.fence()
 
@@ -278,7 +277,7 @@ class WorkerSide:
         return done_here
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads finished since the last call, and those that failed whole (hybrid)."""
+        """Async loads finished since the last call and those that failed whole (hybrid), taken together."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
             failed, self._failed_requests = self._failed_requests, set()
